@@ -1,0 +1,151 @@
+"""All-pairs lowest-cost routes: a compiled backend and a networkx reference.
+
+The backend runs scipy's Floyd–Warshall on a dense matrix (a mesh VPN is a
+full mesh or close to it, so dense is the right shape). Two tricks:
+
+* **Relay-hop cost.** Every edge carries ``relay_hop_ms`` extra and a path's
+  cost is the sum minus one ``relay_hop_ms``: a path of k hops pays for k-1 relays.
+* **Deterministic tie-breaking.** Each edge gets a tiny fixed perturbation
+  (≤ ``TIE_EPS_MS``, drawn from a seeded generator, symmetric in symmetric
+  mode) so that shortest paths are unique. Unique paths make next hops
+  reproducible (full and incremental runs agree), and in symmetric mode they
+  make the route from b to a exactly the reverse of the route from a to b.
+  Reported costs are exact sums of the unperturbed link costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+import numpy as np
+from scipy.sparse.csgraph import floyd_warshall
+
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
+
+TIE_EPS_MS = 1e-4
+_TIE_SEED = 0x6D657368
+
+
+def tie_noise(n: int, symmetric: bool) -> FloatArray:
+    """The fixed per-edge perturbation for an n-node mesh, in [0, TIE_EPS_MS)."""
+    r = np.random.default_rng(_TIE_SEED).random((n, n)) * TIE_EPS_MS
+    if symmetric:
+        r = np.triu(r, 1)
+        r = r + r.T
+    np.fill_diagonal(r, 0.0)
+    return r
+
+
+def prepare_weights(
+    link_cost: FloatArray, relay_hop_ms: float, symmetric: bool
+) -> tuple[FloatArray, FloatArray]:
+    """(exact, perturbed) edge weights with the relay-hop cost folded in."""
+    w = np.array(link_cost, dtype=np.float64, copy=True)
+    if w.ndim != 2 or w.shape[0] != w.shape[1]:
+        raise ValueError(f"cost matrix must be square, got {w.shape}")
+    if np.isnan(w).any() or (w < 0).any():
+        raise ValueError("link costs must be >= 0 (inf for no link), never NaN")
+    if symmetric:
+        w = (w + w.T) / 2.0
+    w = w + relay_hop_ms
+    np.fill_diagonal(w, 0.0)
+    return w, w + tie_noise(w.shape[0], symmetric)
+
+
+def walk_predecessors(pred: IntArray, exact_w: FloatArray) -> tuple[IntArray, FloatArray]:
+    """First hop and exact cost of every shortest path, from a predecessor matrix.
+
+    Walks every pair's predecessor chain back towards its source at once, keeping
+    only the pairs not yet finished, so the work is the total number of hops
+    (about 1.5 per pair in a mesh), not n² per step.
+    """
+    n = pred.shape[0]
+    nh = np.full(n * n, NO_ROUTE, dtype=np.int64)
+    cost = np.full(n * n, np.inf)
+    flat = np.arange(n * n, dtype=np.int64)
+    src, cur = flat // n, flat % n
+    reach = pred.reshape(-1) >= 0
+    diag = src == cur
+    nh[diag] = src[diag]
+    cost[diag] = 0.0
+    idx, src, cur = flat[reach], src[reach], cur[reach]
+    acc = np.zeros(idx.size)
+    while idx.size:
+        p = pred[src, cur]
+        acc += exact_w[p, cur]
+        fin = p == src
+        nh[idx[fin]] = cur[fin]
+        cost[idx[fin]] = acc[fin]
+        keep = ~fin
+        idx, src, cur, acc = idx[keep], src[keep], p[keep], acc[keep]
+    return nh.reshape(n, n), cost.reshape(n, n)
+
+
+def without_relay_offset(cost: FloatArray, relay_hop_ms: float) -> FloatArray:
+    """Take one relay-hop cost off every path: k hops pay for k-1 relays."""
+    out = cost.copy()
+    off = ~np.eye(cost.shape[0], dtype=bool) & np.isfinite(cost)
+    out[off] -= relay_hop_ms
+    return out
+
+
+def compute_routes(
+    link_cost: FloatArray,
+    names: Sequence[str] | None = None,
+    *,
+    relay_hop_ms: float = 2.0,
+    symmetric: bool = False,
+) -> RouteTables:
+    """All-pairs next hops and costs from a dense link-cost matrix (inf = no link).
+
+    In symmetric mode each link costs the mean of its two directions and the
+    route from b to a is the reverse of the route from a to b.
+    """
+    exact, perturbed = prepare_weights(link_cost, relay_hop_ms, symmetric)
+    n = exact.shape[0]
+    _, pred = floyd_warshall(perturbed, directed=True, return_predecessors=True, overwrite=True)
+    nh, cost = walk_predecessors(np.asarray(pred, dtype=np.int64), exact)
+    return RouteTables(
+        names=list(names) if names is not None else [str(i) for i in range(n)],
+        cost=without_relay_offset(cost, relay_hop_ms),
+        next_hop=nh,
+    )
+
+
+def reference_costs(
+    g: nx.DiGraph, weight: str = "cost", *, relay_hop_ms: float = 2.0
+) -> dict[str, dict[str, float]]:
+    """Plain networkx Dijkstra from every node: the reference the backend is checked against."""
+
+    def w(_u: str, _v: str, data: dict[str, float]) -> float:
+        return float(data[weight]) + relay_hop_ms
+
+    out: dict[str, dict[str, float]] = {}
+    for src in g.nodes:
+        dist = nx.single_source_dijkstra_path_length(g, src, weight=w)
+        out[src] = {dst: (0.0 if dst == src else d - relay_hop_ms) for dst, d in dist.items()}
+    return out
+
+
+def reference_routes(
+    g: nx.DiGraph, weight: str = "cost", *, relay_hop_ms: float = 2.0
+) -> RouteTables:
+    """Reference next hops and costs with networkx only (slow; for tests and benchmarks)."""
+    names: list[str] = list(g.graph.get("nodes") or g.nodes)
+    index = {name: i for i, name in enumerate(names)}
+    n = len(names)
+    cost = np.full((n, n), np.inf)
+    nh = np.full((n, n), NO_ROUTE, dtype=np.int64)
+
+    def w(_u: str, _v: str, data: dict[str, float]) -> float:
+        return float(data[weight]) + relay_hop_ms
+
+    for src in names:
+        dist, paths = nx.single_source_dijkstra(g, src, weight=w)
+        s = index[src]
+        for dst, d in dist.items():
+            t = index[dst]
+            cost[s, t] = 0.0 if s == t else d - relay_hop_ms
+            nh[s, t] = index[paths[dst][1]] if s != t else s
+    return RouteTables(names=names, cost=cost, next_hop=nh)

@@ -1,0 +1,5 @@
+"""Topologies: the nodes of a mesh, its underlay between every pair, and its tunnels."""
+
+from meshopt.topology.model import LinkProps, Node, Topology
+
+__all__ = ["LinkProps", "Node", "Topology"]
