@@ -1,0 +1,95 @@
+"""``meshopt sim``: the offline simulator from the command line."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from meshopt.cli.common import (
+    console,
+    json_option,
+    metric_from,
+    open_topology,
+    print_json,
+    routing_options,
+    topology_argument,
+)
+from meshopt.cli.render import render_sim
+from meshopt.policy import PolicyConfig
+from meshopt.sim.engine import SimConfig, simulate
+from meshopt.sim.events import parse_event
+from meshopt.units import parse_duration_s
+
+
+@click.command("sim")
+@topology_argument
+@click.option("--duration", default="120s", show_default=True, help="Simulated time.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option(
+    "--event",
+    "events",
+    multiple=True,
+    metavar="EVENT",
+    help='A change, e.g. "at=30s link=a-b delay=200ms" or "at=60s node=c down" (repeatable).',
+)
+@click.option("--probe-interval", default="250ms", show_default=True, help="Probe period.")
+@click.option(
+    "--recompute",
+    default=None,
+    help="Controller recompute period [default: 1s, 5s above 300 nodes].",
+)
+@click.option("--no-backups", is_flag=True, help="No backup next hops (no local fail-over).")
+@click.option("--no-policy", is_flag=True, help="Install every new optimum (no anti-flap).")
+@routing_options
+@json_option
+def sim_cmd(
+    topology: str,
+    duration: str,
+    seed: int,
+    events: tuple[str, ...],
+    probe_interval: str,
+    recompute: str | None,
+    no_backups: bool,
+    no_policy: bool,
+    symmetric: bool,
+    relay_cost: str,
+    as_json: bool,
+) -> None:
+    """Simulate probing, the metric, the anti-flap policy and routing over time."""
+    parsed = [parse_event(e) for e in events]
+    topo = open_topology(topology, seed=seed)
+    policy = PolicyConfig(0.0, 0.0, 0.0, 0.0) if no_policy else PolicyConfig()
+    cfg = SimConfig(
+        duration_s=parse_duration_s(duration, "--duration"),
+        seed=seed,
+        probe_interval_s=parse_duration_s(probe_interval, "--probe-interval"),
+        recompute_s=None if recompute is None else parse_duration_s(recompute, "--recompute"),
+        symmetric=symmetric,
+        backups=not no_backups,
+        metric=metric_from(relay_cost),
+        policy=policy,
+    )
+    if cfg.duration_s <= 0 or cfg.probe_interval_s <= 0:
+        raise click.BadParameter("--duration and --probe-interval must be > 0")
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with Progress(
+            TextColumn("simulating"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeRemainingColumn(),
+            console=err,
+            transient=True,
+        ) as bar:
+            task = bar.add_task("sim", total=1.0)
+            report = simulate(topo, parsed, cfg, lambda f: bar.update(task, completed=f))
+    else:
+        report = simulate(topo, parsed, cfg)
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        render_sim(console(), report)
+    sys.stdout.flush()

@@ -1,0 +1,1 @@
+"""Offline discrete-event simulation of a mesh: probes, metric, policy and routes."""

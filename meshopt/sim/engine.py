@@ -1,0 +1,271 @@
+"""The simulation loop: a pure function of (topology, events, config, seed).
+
+Time advances in probe rounds. Each round draws one probe per tunnel direction
+from the current underlay (jitter and loss from the topology, events applied),
+feeds the per-link estimator the agents would run, and every ``recompute_s``
+the controller turns estimates into link costs, computes best routes and lets
+the anti-flap policy decide what to install. Between recomputes, an agent whose
+next hop stops answering fails over to its backup next hop at once.
+
+Every round the installed (effective) routes are scored against the ground
+truth, which is how convergence and outage times are measured.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshopt.graph import topology_costs
+from meshopt.metric import FloatArray, Metric
+from meshopt.policy import Installed, PolicyConfig, decide
+from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
+from meshopt.routing.backup import add_backups
+from meshopt.routing.tables import IntArray, walk_costs
+from meshopt.sim.estimator import BoolArray, LinkEstimator
+from meshopt.sim.events import Event, check_events
+from meshopt.sim.report import EventResult, GainSummary, SimReport, summarize_gains
+from meshopt.topology.model import Topology
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    duration_s: float = 120.0
+    seed: int = 0
+    probe_interval_s: float = 0.25
+    dead_after: int = 4  # missed probes: 4 x 0.25 s declares a peer dead within 1 s
+    recompute_s: float | None = None  # None: 1 s, or 5 s above 300 nodes
+    rtt_half_life_s: float = 2.0
+    loss_half_life_s: float = 10.0
+    symmetric: bool = False
+    backups: bool = True
+    metric: Metric = field(default_factory=Metric)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def recompute_interval(self, n: int) -> float:
+        if self.recompute_s is not None:
+            return self.recompute_s
+        return 1.0 if n <= 300 else 5.0
+
+
+@dataclass
+class _Truth:
+    """The underlay as it is right now, and what perfect routing would do with it."""
+
+    topo: Topology
+    node_up: BoolArray
+    rtt: FloatArray
+    sigma: FloatArray
+    loss: FloatArray
+    usable: BoolArray
+    cost: FloatArray
+    optimum: RouteTables
+    relay: float
+
+
+def _truth(topo: Topology, node_up: BoolArray, metric: Metric, symmetric: bool) -> _Truth:
+    usable = topo.tunnels & node_up[:, None] & node_up[None, :]
+    cost = topology_costs(topo, metric)
+    cost = np.where(usable, cost, np.inf)
+    np.fill_diagonal(cost, 0.0)
+    # "down" links are modelled as loss 1, which the metric already makes inf.
+    opt = compute_routes(cost, topo.names, relay_hop_ms=metric.relay_hop_ms, symmetric=symmetric)
+    return _Truth(
+        topo=topo,
+        node_up=node_up,
+        rtt=topo.rtt_ms(),
+        sigma=np.sqrt(topo.jitter_ms**2 + topo.jitter_ms.T**2),
+        loss=1.0 - (1.0 - topo.loss) * (1.0 - topo.loss.T),
+        usable=usable,
+        cost=cost,
+        optimum=opt,
+        relay=metric.relay_hop_ms,
+    )
+
+
+def _apply(event: Event, topo: Topology, node_up: BoolArray) -> None:
+    if event.node is not None:
+        node_up[topo.index(event.node)] = event.state == "up"
+        return
+    assert event.link is not None
+    i, j = topo.index(event.link[0]), topo.index(event.link[1])
+    dirs = [(i, j), (j, i)] if event.both_ways else [(i, j)]
+    for a, b in dirs:
+        if event.state == "down":
+            topo.loss[a, b] = 1.0
+        elif event.state == "up":
+            topo.loss[a, b] = 0.0
+        for key, value in event.changes.items():
+            getattr(topo, key)[a, b] = value
+
+
+def _effective(inst: Installed, best: RouteTables | None, dead: BoolArray) -> tuple[IntArray, int]:
+    """Installed next hops, with local fail-over to the backup where the next hop is dead."""
+    nh = inst.next_hop
+    if best is None or best.backup is None:
+        return nh, 0
+    n = nh.shape[0]
+    rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
+    broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
+    swap = broken & (best.backup != NO_ROUTE) & (nh == best.next_hop)
+    if not swap.any():
+        return nh, 0
+    return np.where(swap, best.backup, nh), int(swap.sum())
+
+
+@dataclass
+class _Tracker:
+    """Outage and convergence of the routes in use, since one event (or the start)."""
+
+    result: EventResult
+    restored_at: float | None = None
+    converged_at: float | None = None
+
+    def score(self, truth: _Truth, eff: IntArray, now: float, pol: PolicyConfig) -> None:
+        got = _true_cost(truth, eff, truth.relay)
+        opt = truth.optimum.cost
+        want = np.isfinite(opt) & ~np.eye(opt.shape[0], dtype=bool)
+        broken = want & ~np.isfinite(got)
+        tol = np.maximum(pol.abs_margin_ms, pol.rel_margin * opt) + 1e-6
+        bad = want & ~(got <= opt + tol)
+        elapsed = now - self.result.at_s
+        res = self.result
+        if broken.any():
+            self.restored_at = None
+            res.broken_pairs = max(res.broken_pairs, int(broken.sum()))
+        elif self.restored_at is None:
+            self.restored_at = elapsed
+        res.outage_s = self.restored_at
+        if bad.any():
+            self.converged_at = None
+        elif self.converged_at is None:
+            self.converged_at = elapsed
+        res.converge_s = self.converged_at
+        res.suboptimal_pairs = int(bad.sum())
+
+
+def simulate(
+    topo: Topology,
+    events: Sequence[Event] = (),
+    config: SimConfig | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> SimReport:
+    """Run the simulation and return its report (no I/O; ``progress`` gets 0..1)."""
+    cfg = config or SimConfig()
+    started = time.perf_counter()
+    check_events(list(events), topo)
+    rng = np.random.default_rng(cfg.seed)
+    n = topo.n
+    metric, relay = cfg.metric, cfg.metric.relay_hop_ms
+    live = topo.copy()
+    node_up = np.ones(n, dtype=bool)
+    truth = _truth(live, node_up, metric, cfg.symmetric)
+    est = LinkEstimator(
+        cfg.probe_interval_s, cfg.rtt_half_life_s, cfg.loss_half_life_s, cfg.dead_after
+    )
+    est.reset(n)
+    pending = sorted(events, key=lambda e: e.at_s)
+    steps = max(1, round(cfg.duration_s / cfg.probe_interval_s))
+    every = max(1, round(cfg.recompute_interval(n) / cfg.probe_interval_s))
+    off = ~np.eye(n, dtype=bool)
+    installed: Installed | None = None
+    best: RouteTables | None = None
+    changes = np.zeros((n, n), dtype=np.int64)
+    failovers = 0
+    gains: GainSummary | None = None
+    start = _Tracker(EventResult(event="start", at_s=0.0))
+    tracker = start
+    results: list[EventResult] = []
+    for step in range(steps):
+        now = step * cfg.probe_interval_s
+        while pending and pending[0].at_s <= now:
+            ev = pending.pop(0)
+            if gains is None and installed is not None:
+                gains = _gains(truth, installed)
+            _apply(ev, live, node_up)
+            truth = _truth(live, node_up, metric, cfg.symmetric)
+            tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s))
+            results.append(tracker.result)
+
+        noise = np.abs(rng.standard_normal((n, n))) * truth.sigma
+        lost = (rng.random((n, n)) < truth.loss) | ~truth.usable
+        est.update(truth.rtt + noise, lost)
+
+        if step % every == 0:
+            cost = metric.link_costs(est.srtt, est.jitter, est.loss)
+            cost = np.where((est.dead() | ~topo.tunnels) & off, np.inf, cost)
+            np.fill_diagonal(cost, 0.0)
+            best = compute_routes(cost, topo.names, relay_hop_ms=relay, symmetric=cfg.symmetric)
+            if cfg.backups:
+                best = add_backups(best, cost, relay_hop_ms=relay)
+            dec = decide(
+                installed, best, cost, est.noise(), now, cfg.policy,
+                relay_hop_ms=relay, symmetric=cfg.symmetric,
+            )  # fmt: skip
+            if installed is not None:
+                changes += dec.changed
+                tracker.result.route_changes += int(dec.changed.sum())
+            installed = dec.installed
+
+        if installed is not None:
+            eff, swapped = _effective(installed, best, est.dead())
+            failovers += swapped
+            tracker.score(truth, eff, now, cfg.policy)
+        if progress is not None and step % 20 == 0:
+            progress(step / steps)
+
+    if installed is not None and gains is None:
+        gains = _gains(truth, installed)
+    if progress is not None:
+        progress(1.0)
+    routes = n * (n - 1)
+    pair_changes = np.triu(changes + changes.T, 1)
+    ii, jj = np.nonzero(pair_changes)
+    flappers = sorted(
+        zip(pair_changes[ii, jj].tolist(), ii.tolist(), jj.tolist(), strict=True), reverse=True
+    )[:10]
+    return SimReport(
+        topology=topo.name,
+        nodes=n,
+        pairs=n * (n - 1) // 2,
+        duration_s=cfg.duration_s,
+        seed=cfg.seed,
+        symmetric=cfg.symmetric,
+        gains=gains or GainSummary(),
+        events=results,
+        route_changes=int(changes.sum()),
+        changes_per_route_hour=float(changes.sum()) / max(routes, 1) / (cfg.duration_s / 3600),
+        max_changes_pair=[(topo.names[i], topo.names[j], c) for c, i, j in flappers],
+        failovers=failovers,
+        runtime_s=time.perf_counter() - started,
+        initial_converge_s=start.converged_at,
+    )
+
+
+def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
+    """Metric cost of the given routes under the ground truth (inf where they are broken)."""
+    w = truth.cost + relay
+    np.fill_diagonal(w, 0.0)
+    c = walk_costs(nh, w)
+    c[~np.eye(nh.shape[0], dtype=bool) & np.isfinite(c)] -= relay
+    return c
+
+
+def _gains(truth: _Truth, inst: Installed) -> GainSummary:
+    """Direct RTT, RTT over the installed routes and over the optimum, for every pair."""
+    rtt = np.where(truth.usable, truth.rtt, np.inf)
+    np.fill_diagonal(rtt, 0.0)
+    n = rtt.shape[0]
+    relayed = (inst.next_hop != np.arange(n)[None, :]) & (inst.next_hop != NO_ROUTE)
+    tables = RouteTables(truth.topo.names, rtt, inst.next_hop)
+    return summarize_gains(
+        truth.topo.names,
+        rtt,
+        walk_costs(inst.next_hop, rtt),
+        walk_costs(truth.optimum.next_hop, rtt),
+        relayed,
+        tables.path,
+    )
