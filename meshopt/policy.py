@@ -1,0 +1,367 @@
+"""Anti-flap policy: keep the installed next hop unless the new best one is clearly better.
+
+The route engine recomputes optimal routes whenever a measurement changes.
+Installing every new optimum makes routes flap: two nearly equal paths trade
+places on every jitter sample (EasyTier has no switching margin and its users
+report exactly that). This module decides, per (source, destination) entry of
+the next-hop table, whether to keep the installed next hop or take the new best
+one. It is a pure function of (installed state, new state, ``now``): no clock,
+no I/O, deterministic (Faucet's valve style), so the controller and the
+simulator run the very same code.
+
+Rules, per entry (s, d) whose installed next hop differs from the best one:
+
+* **Failed**: the installed path is broken under the new link costs (a link on
+  it is down, a next hop is gone, or it loops) → take the best at once,
+  ignoring the hold time. When the destination is unreachable altogether the
+  dead route is withdrawn (``NO_ROUTE``) rather than left pointing into a loop.
+* **Improved**: with ``cur`` the installed path's cost and ``new`` the best
+  path's cost (both under the new link costs), the gain ``cur - new`` must be
+  ≥ ``abs_margin_ms`` AND ≥ ``rel_margin × cur`` AND
+  > ``noise_sigmas × sqrt(var_cur + var_new)``, AND the entry must not have
+  changed within the last ``hold_s`` seconds. A gain that passes the margins
+  but not the hold is reported as **held**.
+* **Repaired**: mixing kept and switched entries can create forwarding loops
+  (s keeps next hop x while x switches to go via s) or, in symmetric mode,
+  break WireGuard AllowedIPs consistency. Every kept entry whose resulting
+  forwarding walk is broken is forced to the best; repeated until clean (it
+  terminates: the all-best table is clean).
+
+Defaults and why (anchors: Netbird ≥ 20 ms and ≥ 20 % and > 4σ, hold 30 s;
+Tailscale 1 % and 10 ms / one third; babeld smooths with a 4 s half-life;
+EasyTier no margin at all, and it oscillates; RON routes around outages in
+~18 s):
+
+* ``abs_margin_ms = 5``: below about 5 ms no interactive application notices
+  the difference, while a route change costs something real (reordering, a
+  TCP RTT/cwnd re-estimate, a new relay's CPU). Netbird's 20 ms is sized for
+  P2P versus a TURN relay far away; between mesh nodes 20 ms would forbid most
+  useful relay choices on a continental mesh (typical links 10–60 ms).
+* ``rel_margin = 0.10``: the relative margin is permanent hysteresis (it is not
+  time-based), so it must stay small enough that a real 10 %+ improvement is
+  still taken; 20 % (Netbird) or a third (Tailscale) would leave a path 25 %
+  worse installed forever. Jitter is handled by the noise term, not by this.
+* ``noise_sigmas = 3``: with honest noise estimates a false switch between two
+  equal paths needs a 3σ excursion of their difference (≈ 0.1 % of
+  evaluations for Gaussian errors) and must also clear both margins, which
+  well-averaged estimates (small σ) rarely do. ±20 % uniform jitter on raw
+  samples has σ ≈ 11.5 % of the cost per link, so 3σ of two such paths is
+  ≈ 49 % of the cost, more than the largest difference that jitter can
+  produce (40 %): no jitter-driven switch at all. Netbird's 4σ delays real
+  switches while the estimator is still converging after a step change.
+* ``hold_s = 30``: after a change the new path's estimate needs time to settle
+  (babeld's 4 s half-life takes about 5 half-lives, 20 s, to get within 3 %),
+  and the hold caps how fast any one entry can oscillate (Netbird uses the
+  same 30 s). The hold counts from the entry's *last change*, so a path that
+  has been stable for a while switches as soon as it gets worse (the goal: a
+  five-fold delay rise on a direct tunnel moves traffic within 3 s, i.e. one
+  or two measurement rounds), and a failed path never waits (faster than
+  RON's ~18 s).
+
+A first install (``installed is None``) counts as a change: its entries are
+held for ``hold_s`` from ``now`` (failures still switch at once).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from meshopt.errors import InputError
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
+
+BoolArray = npt.NDArray[np.bool_]
+
+__all__ = [
+    "BoolArray",
+    "Decision",
+    "Installed",
+    "PolicyConfig",
+    "decide",
+    "path_cost",
+    "reaches",
+    "reindex",
+]
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Switching margins and hold time; see the module docstring for the defaults."""
+
+    abs_margin_ms: float = 5.0
+    rel_margin: float = 0.10
+    noise_sigmas: float = 3.0
+    hold_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("abs_margin_ms", "rel_margin", "noise_sigmas", "hold_s"):
+            v = getattr(self, name)
+            if math.isnan(v) or v < 0:
+                raise InputError(f"policy {name} must be >= 0, got {v!r}")
+
+
+@dataclass
+class Installed:
+    """What is installed now: next hops ([n,n], as in RouteTables) and when each changed (s)."""
+
+    next_hop: IntArray
+    since: FloatArray
+
+
+@dataclass
+class Decision:
+    """The new installed state and why each entry changed (or did not)."""
+
+    installed: Installed
+    changed: BoolArray  # next hop differs from the previous installed one
+    failed: BoolArray  # switched because the installed path broke
+    improved: BoolArray  # switched because the best path wins by every margin
+    held: BoolArray  # best path wins by every margin, but the hold time kept the old one
+    repaired: BoolArray  # kept entry forced to the best to keep forwarding loop-free/consistent
+
+
+def _follow(
+    next_hop: IntArray, links: Sequence[FloatArray] = ()
+) -> tuple[BoolArray, list[FloatArray]]:
+    """Which next-hop walks reach their destination, and each ``links`` matrix summed along them.
+
+    Pointer jumping over all pairs at once: each round doubles the number of
+    hops every walk has taken, so loops cost O(n² log n) instead of the
+    O(n³) of walking them hop by hop; loop-free tables stop after
+    ⌈log2(longest path)⌉ rounds. A missing next hop leads to an absorbing dead
+    row; the destination itself is absorbing with cost 0. Unreachable walks sum
+    to inf.
+    """
+    n = next_hop.shape[0]
+    if next_hop.shape != (n, n):
+        raise ValueError(f"next-hop table must be square, got {next_hop.shape}")
+    if ((next_hop < NO_ROUTE) | (next_hop >= n)).any():
+        raise ValueError("next-hop table holds an index outside the mesh")
+    dead = n
+    cols = np.arange(n)
+    p = np.where(next_hop == NO_ROUTE, dead, next_hop).astype(np.int64)
+    p[cols, cols] = cols
+    live = p != dead
+    rows = np.broadcast_to(cols[:, None], (n, n))
+    safe = np.where(live, p, rows)
+    sums: list[FloatArray] = []
+    for link in links:
+        a = np.where(live, link[rows, safe], 0.0)
+        a[cols, cols] = 0.0
+        sums.append(np.vstack([a, np.zeros((1, n))]))
+    pos = np.vstack([p, np.full((1, n), dead, dtype=np.int64)])
+    steps = 1
+    while steps < n:
+        if ((pos == cols) | (pos == dead)).all():
+            break
+        idx = pos * n + cols
+        sums = [s + s.ravel()[idx] for s in sums]
+        pos = pos.ravel()[idx]
+        steps *= 2
+    reach: BoolArray = pos[:n] == cols
+    return reach, [np.where(reach, s[:n], np.inf) for s in sums]
+
+
+def reaches(next_hop: IntArray) -> BoolArray:
+    """Mask of pairs whose next-hop walk arrives at the destination (no loop, no gap)."""
+    return _follow(next_hop)[0]
+
+
+def _with_relay(link_cost: FloatArray, relay_hop_ms: float) -> FloatArray:
+    w = np.asarray(link_cost, dtype=np.float64) + relay_hop_ms
+    np.fill_diagonal(w, 0.0)
+    return w
+
+
+def _without_relay(cost: FloatArray, relay_hop_ms: float) -> FloatArray:
+    off = ~np.eye(cost.shape[0], dtype=bool) & np.isfinite(cost)
+    return np.where(off, cost - relay_hop_ms, cost)
+
+
+def path_cost(next_hop: IntArray, link_cost: FloatArray, relay_hop_ms: float = 2.0) -> FloatArray:
+    """Cost of every installed path under ``link_cost`` (e.g. the ground truth).
+
+    Same convention as the route engine: k hops pay k link costs and k-1 relay
+    hop costs. inf where the walk is broken, loops, or crosses a down (inf) link.
+    """
+    _check_square("link_cost", link_cost, next_hop.shape[0])
+    _, (cost,) = _follow(next_hop, [_with_relay(link_cost, relay_hop_ms)])
+    return _without_relay(cost, relay_hop_ms)
+
+
+def reindex(installed: Installed, old_names: Sequence[str], new_names: Sequence[str]) -> Installed:
+    """Carry an installed state over to a new node list (nodes joined or left).
+
+    Entries of new nodes, and entries whose next hop left, become ``NO_ROUTE``
+    (the next ``decide`` sees them as failed and installs the best at once);
+    their ``since`` is -inf (never changed by the policy).
+    """
+    old_index = {name: i for i, name in enumerate(old_names)}
+    n = len(new_names)
+    m = np.array([old_index.get(name, -1) for name in new_names], dtype=np.int64)
+    old_to_new = np.full(len(old_names) + 1, NO_ROUTE, dtype=np.int64)  # last slot: NO_ROUTE
+    old_to_new[m[m >= 0]] = np.flatnonzero(m >= 0)
+    nh = np.full((n, n), NO_ROUTE, dtype=np.int64)
+    since = np.full((n, n), -np.inf)
+    kept = np.flatnonzero(m >= 0)
+    if kept.size:
+        sub = np.ix_(m[kept], m[kept])
+        nh[np.ix_(kept, kept)] = old_to_new[installed.next_hop[sub]]
+        since[np.ix_(kept, kept)] = installed.since[sub]
+    diag = np.arange(n)
+    nh[diag, diag] = diag
+    return Installed(next_hop=nh, since=since)
+
+
+def _check_square(name: str, a: npt.NDArray[np.generic], n: int) -> None:
+    if a.shape != (n, n):
+        raise ValueError(f"{name} must have shape ({n}, {n}), got {a.shape}")
+
+
+def _check_costs(name: str, a: FloatArray) -> None:
+    if np.isnan(a).any() or (a < 0).any():
+        raise ValueError(f"{name} must be >= 0 (inf allowed), never NaN")
+
+
+def _check_diagonal(name: str, next_hop: IntArray) -> None:
+    diag = np.arange(next_hop.shape[0])
+    if (next_hop[diag, diag] != diag).any():
+        raise ValueError(f"{name} must route every node to itself on the diagonal")
+
+
+def _pairwise(mask: BoolArray) -> BoolArray:
+    """Both directions of every unordered pair where either direction is set."""
+    out: BoolArray = mask | mask.T
+    return out
+
+
+def _first_install(best: RouteTables, now: float) -> Decision:
+    n = best.n
+    off = ~np.eye(n, dtype=bool)
+    none = np.zeros((n, n), dtype=bool)
+    return Decision(
+        installed=Installed(next_hop=best.next_hop.copy(), since=np.full((n, n), float(now))),
+        changed=off & (best.next_hop != NO_ROUTE),
+        failed=none,
+        improved=none.copy(),
+        held=none.copy(),
+        repaired=none.copy(),
+    )
+
+
+def decide(
+    installed: Installed | None,
+    best: RouteTables,
+    link_cost: FloatArray,
+    link_noise: FloatArray,
+    now: float,
+    config: PolicyConfig = PolicyConfig(),  # frozen, so one shared default is safe
+    *,
+    relay_hop_ms: float = 2.0,
+    symmetric: bool = False,
+) -> Decision:
+    """Decide, for every entry, between the installed next hop and the new best one.
+
+    ``link_cost`` is the current metric cost of each link (inf = down), without
+    the relay-hop cost; ``link_noise`` the standard deviation (ms) of each
+    link's cost estimate. In symmetric mode both directions of a pair are
+    decided together (on the mean of the two directions, as the route engine
+    does) and the result keeps WireGuard AllowedIPs consistent. Inputs are
+    never mutated.
+    """
+    n = best.n
+    b = best.next_hop
+    _check_square("best.next_hop", b, n)
+    _check_diagonal("best.next_hop", b)
+    _check_square("link_cost", link_cost, n)
+    _check_square("link_noise", link_noise, n)
+    _check_costs("link_cost", link_cost)
+    _check_costs("link_noise", link_noise)
+    if installed is None:
+        return _first_install(best, now)
+    c = installed.next_hop
+    _check_square("installed.next_hop", c, n)
+    _check_square("installed.since", installed.since, n)
+    _check_diagonal("installed.next_hop", c)
+
+    cost = np.asarray(link_cost, dtype=np.float64)
+    var = np.asarray(link_noise, dtype=np.float64) ** 2
+    since = np.asarray(installed.since, dtype=np.float64)
+    if symmetric:
+        # The engine routes on the mean of both directions; the mean's variance is a quarter sum.
+        cost = (cost + cost.T) / 2.0
+        var = (var + var.T) / 4.0
+    w = _with_relay(cost, relay_hop_ms)
+    _, (cur, var_cur) = _follow(c, [w, var])
+    _, (new, var_new) = _follow(b, [w, var])
+    cur = _without_relay(cur, relay_hop_ms)
+    new = _without_relay(new, relay_hop_ms)
+    diff: BoolArray = c != b
+    if symmetric:
+        # One decision per unordered pair, on the pair's mean cost and its latest change.
+        cur = (cur + cur.T) / 2.0
+        new = (new + new.T) / 2.0
+        var_cur = (var_cur + var_cur.T) / 2.0
+        var_new = (var_new + var_new.T) / 2.0
+        since = np.maximum(since, since.T)
+        diff = _pairwise(diff)
+
+    broken = ~np.isfinite(cur)
+    with np.errstate(invalid="ignore"):
+        gain = cur - new
+        better = (
+            diff
+            & ~broken
+            & np.isfinite(new)
+            & (gain >= config.abs_margin_ms)
+            & (gain >= config.rel_margin * cur)
+            & (gain > config.noise_sigmas * np.sqrt(var_cur + var_new))
+        )
+    failed: BoolArray = diff & broken
+    hold_ok = (now - since) >= config.hold_s
+    improved: BoolArray = better & hold_ok
+    held: BoolArray = better & ~hold_ok
+    switched = failed | improved
+
+    table = np.where(switched, b, c)
+    forced = _repair(table, b, symmetric)
+    table = np.where(forced, b, table)
+    repaired: BoolArray = forced & ~switched
+    changed: BoolArray = table != c
+    return Decision(
+        installed=Installed(
+            next_hop=table, since=np.where(changed, float(now), np.asarray(installed.since))
+        ),
+        changed=changed,
+        failed=failed & changed,
+        improved=improved & changed,
+        held=held & ~repaired,
+        repaired=repaired & changed,
+    )
+
+
+def _repair(table: IntArray, best: IntArray, symmetric: bool) -> BoolArray:
+    """Entries that must take the best next hop so that every walk in the table arrives.
+
+    Forcing every entry whose walk fails, at once, is enough in one round when
+    the best table is clean: a forced node follows best next hops until it
+    meets an entry that already arrives or the destination. The loop only
+    guards against a best table that is itself broken (then it stops when
+    nothing more can be forced).
+    """
+    n = table.shape[0]
+    forced = np.zeros((n, n), dtype=bool)
+    current = table
+    for _ in range(n + 1):
+        bad = ~reaches(current) & (current != best)
+        if symmetric:
+            bad = _pairwise(bad) & (current != best)
+        if not bad.any():
+            break
+        forced |= bad
+        current = np.where(bad, best, current)
+    return forced
