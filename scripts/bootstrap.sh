@@ -45,7 +45,12 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "bootstrap: installing meshopt into $venv" >&2
-    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-    "$venv/bin/python" -m pip install -q -e "$here[dev]"
+    log="$venv/pip.log"
+    if ! { "$venv/bin/python" -m pip install -q --upgrade pip &&
+           "$venv/bin/python" -m pip install -q -e "$here[dev]"; } >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "bootstrap: pip install failed (log above, also in $log)" >&2
+        exit 1
+    fi
     echo "$want" > "$stamp"
 fi
