@@ -1,0 +1,386 @@
+"""The anti-flap policy: known answers on small meshes, invariants on random ones, flapping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshopt.policy import (
+    Decision,
+    Installed,
+    PolicyConfig,
+    decide,
+    path_cost,
+    reaches,
+    reindex,
+)
+from meshopt.routing.allpairs import compute_routes
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, walk_costs
+
+INF = np.inf
+DEFAULT = PolicyConfig()
+EASYTIER = PolicyConfig(abs_margin_ms=0.0, rel_margin=0.0, noise_sigmas=0.0, hold_s=0.0)
+
+
+def mesh(n: int, links: dict[tuple[int, int], float], both: bool = True) -> FloatArray:
+    """Link-cost matrix from {(a, b): cost}; inf where there is no link."""
+    m = np.full((n, n), INF)
+    np.fill_diagonal(m, 0.0)
+    for (a, b), c in links.items():
+        m[a, b] = c
+        if both:
+            m[b, a] = c
+    return m
+
+
+def table(rows: list[list[int]]) -> IntArray:
+    return np.array(rows, dtype=np.int64)
+
+
+def tables(nh: IntArray) -> RouteTables:
+    n = nh.shape[0]
+    return RouteTables(names=[str(i) for i in range(n)], cost=np.zeros((n, n)), next_hop=nh)
+
+
+def zeros(n: int) -> FloatArray:
+    return np.zeros((n, n))
+
+
+def step(
+    prev: Installed | None,
+    cost: FloatArray,
+    now: float,
+    config: PolicyConfig = DEFAULT,
+    noise: FloatArray | None = None,
+    symmetric: bool = False,
+) -> Decision:
+    """Recompute the best routes for ``cost`` and let the policy decide."""
+    best = compute_routes(cost, symmetric=symmetric)
+    return decide(
+        prev,
+        best,
+        cost,
+        zeros(cost.shape[0]) if noise is None else noise,
+        now,
+        config,
+        symmetric=symmetric,
+    )
+
+
+def check_invariants(d: Decision, prev: Installed | None, best: RouteTables) -> None:
+    """What must hold for every decision, whatever the inputs."""
+    out = d.installed.next_hop
+    ok = reaches(out)
+    assert (ok == reaches(best.next_hop)).all(), "a reachable pair lost its route, or vice versa"
+    assert (out[~ok] == NO_ROUTE).all(), "a route points into a loop or a gap"
+    if prev is None:
+        return
+    assert (d.changed == (out != prev.next_hop)).all()
+    assert (d.changed == (d.failed | d.improved | d.repaired)).all()
+    assert not (d.failed & d.improved).any()
+    assert not (d.failed & d.repaired).any()
+    assert not (d.improved & d.repaired).any()
+    assert not (d.held & d.changed).any()
+    assert (out[d.changed] == best.next_hop[d.changed]).all(), "a change goes anywhere but best"
+
+
+# ---------------------------------------------------------------------------- triangle
+# 0 = a, 1 = b (relay), 2 = c. Installed: a and c talk directly. A relay path via b
+# costs ab + bc + 2 (one relay hop).
+
+
+def triangle(direct: float, ab: float, bc: float) -> FloatArray:
+    return mesh(3, {(0, 1): ab, (1, 2): bc, (0, 2): direct})
+
+
+DIRECT = table([[0, 1, 2], [0, 1, 2], [0, 1, 2]])
+
+
+def installed_direct(since: float = 0.0) -> Installed:
+    return Installed(next_hop=DIRECT.copy(), since=np.full((3, 3), since))
+
+
+def test_first_install_is_best() -> None:
+    cost = triangle(10, 3, 3)
+    best = compute_routes(cost)
+    d = decide(None, best, cost, zeros(3), 7.0)
+    assert (d.installed.next_hop == best.next_hop).all()
+    assert d.installed.next_hop is not best.next_hop
+    assert (d.installed.since == 7.0).all()
+    assert (d.changed == ~np.eye(3, dtype=bool)).all()
+    assert not (d.failed | d.improved | d.held | d.repaired).any()
+
+
+def test_gain_below_absolute_margin_is_kept() -> None:
+    cost = triangle(20, 7, 7)  # relay 16: gain 4 ms < 5 ms (though 20 % of 20 ms)
+    d = step(installed_direct(), cost, now=100.0)
+    assert compute_routes(cost).next_hop[0, 2] == 1
+    assert d.installed.next_hop[0, 2] == 2
+    assert not d.changed.any() and not d.held.any() and not d.improved.any()
+
+
+def test_gain_below_relative_margin_is_kept() -> None:
+    cost = triangle(100, 45, 45)  # relay 92: gain 8 ms ≥ 5 ms but < 10 % of 100 ms
+    d = step(installed_direct(), cost, now=100.0)
+    assert d.installed.next_hop[0, 2] == 2
+    assert not d.changed.any() and not d.held.any()
+
+
+def test_gain_within_noise_is_kept() -> None:
+    cost = triangle(100, 34, 34)  # relay 70: gain 30 ms, 30 % — but the estimates are noisy
+    noise = np.full((3, 3), 10.0)  # 3σ of (1 link + 2 links) = 3·sqrt(300) ≈ 52 ms > 30 ms
+    d = step(installed_direct(), cost, now=100.0, noise=noise)
+    assert d.installed.next_hop[0, 2] == 2
+    assert not d.changed.any() and not d.held.any()
+    quiet = np.full((3, 3), 3.0)  # 3·sqrt(27) ≈ 16 ms < 30 ms: now the gain is real
+    d = step(installed_direct(), cost, now=100.0, noise=quiet)
+    assert d.installed.next_hop[0, 2] == 1 and d.improved[0, 2]
+
+
+def test_clear_gain_switches() -> None:
+    cost = triangle(100, 20, 20)  # relay 42
+    d = step(installed_direct(since=0.0), cost, now=100.0)
+    nh = d.installed.next_hop
+    assert nh[0, 2] == 1 and nh[2, 0] == 1
+    assert d.improved[0, 2] and d.improved[2, 0]
+    assert (d.changed == d.improved).all() and d.changed.sum() == 2
+    assert d.installed.since[0, 2] == 100.0 and d.installed.since[0, 1] == 0.0
+    assert not (d.failed | d.held | d.repaired).any()
+
+
+def test_hold_blocks_a_second_switch_soon_after_the_first() -> None:
+    d1 = step(installed_direct(since=0.0), triangle(100, 20, 20), now=100.0)
+    assert d1.improved[0, 2]
+    back = triangle(10, 20, 20)  # the direct tunnel recovers: 10 ms vs 42 ms
+    d2 = step(d1.installed, back, now=110.0)
+    assert d2.installed.next_hop[0, 2] == 1, "held for 30 s"
+    assert d2.held[0, 2] and d2.held[2, 0] and not d2.changed.any()
+    d3 = step(d2.installed, back, now=130.0)  # exactly hold_s after the change
+    assert d3.installed.next_hop[0, 2] == 2 and d3.improved[0, 2]
+    assert not d3.held.any()
+
+
+def test_failed_link_switches_at_once_inside_the_hold() -> None:
+    d1 = step(installed_direct(since=0.0), triangle(100, 20, 20), now=100.0)
+    down = triangle(10, INF, 20)  # the relay's link to a dies 1 s after the switch
+    d2 = step(d1.installed, down, now=101.0)
+    assert d2.installed.next_hop[0, 2] == 2 and d2.installed.next_hop[2, 0] == 0
+    assert d2.failed[0, 2] and d2.failed[2, 0]
+    assert not d2.improved.any() and not d2.held.any()
+    assert d2.installed.since[0, 2] == 101.0
+
+
+def test_unreachable_destination_is_withdrawn() -> None:
+    cost = mesh(3, {(0, 1): 5.0, (1, 2): 5.0})
+    d1 = step(None, cost, now=0.0)
+    cut = mesh(3, {(0, 1): 5.0})
+    d2 = step(d1.installed, cut, now=1.0)
+    assert d2.installed.next_hop[0, 2] == NO_ROUTE and d2.installed.next_hop[2, 0] == NO_ROUTE
+    assert d2.failed[0, 2] and d2.failed[2, 1]
+    check_invariants(d2, d1.installed, compute_routes(cut))
+
+
+def test_stable_path_switches_at_once_after_a_fivefold_rise() -> None:
+    """Hold counts from the entry's last change: a long-stable path is not held."""
+    base = triangle(20, 15, 15)
+    d1 = step(None, base, now=0.0)
+    assert d1.installed.next_hop[0, 2] == 2
+    noise = np.full((3, 3), 1.0)
+    quiet = step(d1.installed, base, now=300.0, noise=noise)
+    assert not quiet.changed.any()
+    d2 = step(quiet.installed, triangle(100, 15, 15), now=301.0, noise=noise)
+    assert d2.installed.next_hop[0, 2] == 1 and d2.improved[0, 2]
+
+
+def test_loop_from_naive_mixing_is_repaired() -> None:
+    """s keeps next hop x (held), x switches to go via s: naive mixing loops."""
+    s, x, dst = 0, 1, 2
+    installed = Installed(
+        next_hop=table([[0, 1, 1], [0, 1, 2], [1, 1, 2]]),  # s → x → d
+        since=np.zeros((3, 3)),
+    )
+    installed.since[s, dst] = 95.0  # s changed 5 s ago: held
+    cost = mesh(3, {(s, x): 10.0, (s, dst): 10.0, (x, dst): 100.0})
+    best = compute_routes(cost)
+    assert best.next_hop[s, dst] == dst and best.next_hop[x, dst] == s
+    before = (installed.next_hop.copy(), installed.since.copy())
+    d = decide(installed, best, cost, zeros(3), 100.0)
+
+    assert d.improved[x, dst], "x's own switch is a clear gain"
+    naive = installed.next_hop.copy()
+    naive[d.improved | d.failed] = best.next_hop[d.improved | d.failed]
+    assert naive[s, dst] == x and naive[x, dst] == s and not reaches(naive)[s, dst]
+
+    assert d.repaired[s, dst] and not d.held[s, dst]
+    assert d.installed.next_hop[s, dst] == dst
+    assert d.installed.since[s, dst] == 100.0
+    assert reaches(d.installed.next_hop).all()
+    check_invariants(d, installed, best)
+    assert (installed.next_hop == before[0]).all() and (installed.since == before[1]).all()
+
+
+def test_loop_repair_reaches_through_a_chain() -> None:
+    """A kept chain a → b → c → x where x switches to go via a: all of it must move."""
+    n = 5
+    a, b, c, x, dst = range(n)
+    cost = mesh(n, {(a, b): 1.0, (b, c): 1.0, (c, x): 1.0, (x, dst): 1.0, (a, dst): 30.0})
+    first = step(None, cost, now=0.0)
+    assert first.installed.next_hop[a, dst] == b
+    # x's tunnel to d degrades; a, b and c changed recently, x has been stable.
+    installed = Installed(first.installed.next_hop.copy(), first.installed.since.copy())
+    installed.since[[a, b, c], dst] = 90.0
+    worse = cost.copy()
+    worse[x, dst] = worse[dst, x] = 200.0
+    best = compute_routes(worse)
+    assert best.next_hop[x, dst] == c and best.next_hop[a, dst] == dst
+    d = decide(installed, best, worse, zeros(n), 100.0)
+    assert d.improved[x, dst]
+    assert d.repaired[[a, b, c], dst].all()
+    assert reaches(d.installed.next_hop).all()
+    check_invariants(d, installed, best)
+
+
+# ---------------------------------------------------------------------------- path_cost
+
+
+def test_path_cost_matches_walk_costs_and_catches_loops() -> None:
+    rng = np.random.default_rng(3)
+    n = 30
+    cost = rng.uniform(1, 50, (n, n))
+    cost[rng.random((n, n)) < 0.5] = INF
+    np.fill_diagonal(cost, 0.0)
+    best = compute_routes(cost)
+    got = path_cost(best.next_hop, cost)
+    np.testing.assert_allclose(got, best.cost)
+    w = cost + 2.0
+    np.fill_diagonal(w, 0.0)
+    walked = walk_costs(best.next_hop, w)
+    off = ~np.eye(n, dtype=bool) & np.isfinite(walked)
+    np.testing.assert_allclose(got[off], walked[off] - 2.0)
+
+    loop = table([[0, 1, 1], [0, 1, 0], [0, 2, 2]])  # 0 → 1 → 0 for destination 2
+    pc = path_cost(loop, mesh(3, {(0, 1): 1.0, (1, 2): 1.0, (0, 2): 1.0}))
+    assert pc[0, 2] == INF and pc[1, 2] == INF and pc[2, 0] == 1.0
+    assert not reaches(loop)[0, 2]
+
+
+def test_reindex_keeps_old_entries_and_fails_new_ones() -> None:
+    cost = mesh(3, {(0, 1): 5.0, (1, 2): 5.0})
+    d = step(None, cost, now=0.0)
+    moved = reindex(d.installed, ["a", "b", "c"], ["c", "b", "z"])  # a left, z joined
+    assert moved.next_hop.tolist() == [[0, 1, NO_ROUTE], [0, 1, NO_ROUTE], [NO_ROUTE] * 2 + [2]]
+    assert moved.since[0, 1] == 0.0 and moved.since[0, 2] == -INF
+
+
+# ---------------------------------------------------------------------------- properties
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[int, int, int, PolicyConfig, bool]:
+    n = draw(st.integers(2, 8))
+    seed = draw(st.integers(0, 2**32 - 1))
+    steps = draw(st.integers(1, 6))
+    config = draw(
+        st.sampled_from([PolicyConfig(), EASYTIER])
+        | st.builds(
+            PolicyConfig,
+            abs_margin_ms=st.floats(0, 30),
+            rel_margin=st.floats(0, 0.5),
+            noise_sigmas=st.floats(0, 5),
+            hold_s=st.floats(0, 60),
+        )
+    )
+    symmetric = draw(st.booleans())
+    return n, seed, steps, config, symmetric
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios())
+def test_random_meshes_stay_loop_free_and_reachable(
+    scenario: tuple[int, int, int, PolicyConfig, bool],
+) -> None:
+    n, seed, steps, config, symmetric = scenario
+    rng = np.random.default_rng(seed)
+    base = rng.uniform(1, 100, (n, n))
+    base[rng.random((n, n)) < 0.3] = INF
+    np.fill_diagonal(base, 0.0)
+    noise = rng.uniform(0, 5, (n, n))
+    prev: Installed | None = None
+    now = 0.0
+    for _ in range(steps + 1):
+        cost = base * rng.uniform(0.3, 3.0, (n, n))
+        cost[rng.random((n, n)) < 0.15] = INF  # links fail and recover
+        np.fill_diagonal(cost, 0.0)
+        best = compute_routes(cost, symmetric=symmetric)
+        snapshot = (
+            None if prev is None else (prev.next_hop.copy(), prev.since.copy()),
+            best.next_hop.copy(),
+            cost.copy(),
+            noise.copy(),
+        )
+        d = decide(prev, best, cost, noise, now, config, symmetric=symmetric)
+        again = decide(prev, best, cost, noise, now, config, symmetric=symmetric)
+        check_invariants(d, prev, best)
+        assert np.isfinite(path_cost(d.installed.next_hop, cost)[reaches(best.next_hop)]).all()
+        for field in ("changed", "failed", "improved", "held", "repaired"):
+            assert (getattr(d, field) == getattr(again, field)).all()
+        assert (d.installed.next_hop == again.installed.next_hop).all()
+        assert (d.installed.since == again.installed.since).all()
+        if prev is not None and snapshot[0] is not None:
+            assert (prev.next_hop == snapshot[0][0]).all() and (prev.since == snapshot[0][1]).all()
+            assert d.installed.next_hop is not prev.next_hop
+        assert (best.next_hop == snapshot[1]).all()
+        assert (cost == snapshot[2]).all() and (noise == snapshot[3]).all()
+        prev = d.installed
+        now += float(rng.uniform(0, 40))
+
+
+# ---------------------------------------------------------------------------- flapping
+
+
+def two_paths(via_b: float, via_c: float) -> FloatArray:
+    """a (0) reaches d (3) through b (1) or c (2), each two links of half the path's cost."""
+    return mesh(4, {(0, 1): via_b / 2, (1, 3): via_b / 2, (0, 2): via_c / 2, (2, 3): via_c / 2})
+
+
+def count_changes(config: PolicyConfig, steps: int = 1000) -> int:
+    noise = np.full((4, 4), 0.5)
+    prev: Installed | None = None
+    changes = 0
+    for k in range(steps):
+        up, down = (1.03, 0.97) if k % 2 else (0.97, 1.03)
+        d = step(prev, two_paths(50 * up, 50 * down), now=float(k), config=config, noise=noise)
+        if prev is not None:
+            changes += int(d.changed[0, 3])
+        prev = d.installed
+    return changes
+
+
+def test_alternating_near_equal_paths_do_not_flap() -> None:
+    assert count_changes(PolicyConfig()) <= 1
+
+
+def test_alternating_near_equal_paths_flap_without_margins() -> None:
+    assert count_changes(EASYTIER) >= 900
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_jitter_on_every_link_for_ten_minutes(symmetric: bool) -> None:
+    """±20 % jitter on every link, sampled every second, honest noise: ≤ 1 change per pair."""
+    rng = np.random.default_rng(7)
+    n = 12
+    base = rng.uniform(10, 80, (n, n))
+    base = (base + base.T) / 2
+    np.fill_diagonal(base, 0.0)
+    noise = base * 0.2 / np.sqrt(3.0)  # std dev of a uniform ±20 % sample
+    prev = step(None, base, now=0.0, symmetric=symmetric).installed
+    changes = np.zeros((n, n), dtype=np.int64)
+    for t in range(1, 601):
+        cost = base * rng.uniform(0.8, 1.2, (n, n))
+        np.fill_diagonal(cost, 0.0)
+        d = step(prev, cost, now=float(t), noise=noise, symmetric=symmetric)
+        changes += d.changed
+        prev = d.installed
+    assert changes.max() <= 1
