@@ -1,46 +1,65 @@
 """All-pairs lowest-cost routes: a compiled backend and a networkx reference.
 
 The backend runs scipy's Floyd–Warshall on a dense matrix (a mesh VPN is a
-full mesh or close to it, so dense is the right shape). Two tricks:
+full mesh or close to it, so dense is the right shape). Three tricks:
 
 * **Relay-hop cost.** Every edge carries ``relay_hop_ms`` extra and a path's
   cost is the sum minus one ``relay_hop_ms``: a path of k hops pays for k-1 relays.
 * **Deterministic tie-breaking.** Each edge gets a tiny fixed perturbation
-  (≤ ``TIE_EPS_MS``, drawn from a seeded generator, symmetric in symmetric
-  mode) so that shortest paths are unique. Unique paths make next hops
-  reproducible (full and incremental runs agree), and in symmetric mode they
-  make the route from b to a exactly the reverse of the route from a to b.
+  (in (0, ``TIE_EPS_MS``], drawn from a seeded generator, symmetric in
+  symmetric mode) so that shortest paths are unique. Unique paths make next
+  hops reproducible (full and incremental runs agree), and in symmetric mode
+  they make the route from b to a exactly the reverse of the route from a to b.
   Reported costs are exact sums of the unperturbed link costs.
+* **Next hops without a walk.** Floyd–Warshall runs on the *transposed*
+  graph: there the predecessor of s on the path from d is the node after s
+  on the path from s to d, i.e. s's next hop. Exact costs then come from
+  pointer doubling over the next-hop table (``reduce_paths``).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import networkx as nx
 import numpy as np
 from scipy.sparse.csgraph import floyd_warshall
 
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
 
 TIE_EPS_MS = 1e-4
 _TIE_SEED = 0x6D657368
 
 
-def tie_noise(n: int, symmetric: bool) -> FloatArray:
-    """The fixed per-edge perturbation for an n-node mesh, in [0, TIE_EPS_MS)."""
-    r = np.random.default_rng(_TIE_SEED).random((n, n)) * TIE_EPS_MS
+@functools.lru_cache(maxsize=4)
+def _tie_noise(n: int, symmetric: bool) -> FloatArray:
+    # 1 - U[0, 1) is in (0, 1]: no edge is ever perturbed to exactly zero weight,
+    # which scipy's dense input would read as "no edge".
+    r = (1.0 - np.random.default_rng(_TIE_SEED).random((n, n))) * TIE_EPS_MS
     if symmetric:
         r = np.triu(r, 1)
         r = r + r.T
     np.fill_diagonal(r, 0.0)
+    r.setflags(write=False)
     return r
+
+
+def tie_noise(n: int, symmetric: bool) -> FloatArray:
+    """The fixed per-edge perturbation for an n-node mesh, in (0, TIE_EPS_MS].
+
+    Cached and read-only: the same n always gets the same perturbation.
+    """
+    return _tie_noise(n, symmetric)
 
 
 def prepare_weights(
     link_cost: FloatArray, relay_hop_ms: float, symmetric: bool
 ) -> tuple[FloatArray, FloatArray]:
     """(exact, perturbed) edge weights with the relay-hop cost folded in."""
+    if not (math.isfinite(relay_hop_ms) and relay_hop_ms >= 0):
+        raise ValueError(f"relay_hop_ms must be finite and >= 0, got {relay_hop_ms!r}")
     w = np.array(link_cost, dtype=np.float64, copy=True)
     if w.ndim != 2 or w.shape[0] != w.shape[1]:
         raise ValueError(f"cost matrix must be square, got {w.shape}")
@@ -53,8 +72,33 @@ def prepare_weights(
     return w, w + tie_noise(w.shape[0], symmetric)
 
 
+def shortest_paths(
+    exact: FloatArray, perturbed: FloatArray
+) -> tuple[FloatArray, IntArray, FloatArray]:
+    """(dist, next_hop, exact path cost) for the unique perturbed shortest paths.
+
+    ``dist`` is over the perturbed weights, the cost is the exact sum of
+    ``exact`` along the same paths; both include every edge's relay-hop cost.
+    """
+    n = perturbed.shape[0]
+    if n == 0:
+        empty = np.zeros((0, 0))
+        return empty, np.zeros((0, 0), dtype=np.int64), empty
+    dist_t, pred_t = floyd_warshall(
+        np.ascontiguousarray(perturbed.T), directed=True, return_predecessors=True, overwrite=True
+    )
+    nh = np.ascontiguousarray(np.asarray(pred_t).T, dtype=np.int64)
+    nh[nh < 0] = NO_ROUTE
+    np.fill_diagonal(nh, np.arange(n))
+    dist = np.ascontiguousarray(np.asarray(dist_t, dtype=np.float64).T)
+    return dist, nh, reduce_paths(nh, exact, "sum")
+
+
 def walk_predecessors(pred: IntArray, exact_w: FloatArray) -> tuple[IntArray, FloatArray]:
     """First hop and exact cost of every shortest path, from a predecessor matrix.
+
+    (No longer used by ``compute_routes``; kept for callers holding a
+    source-rooted predecessor matrix.)
 
     Walks every pair's predecessor chain back towards its source at once, keeping
     only the pairs not yet finished, so the work is the total number of hops
@@ -104,12 +148,15 @@ def compute_routes(
     """
     exact, perturbed = prepare_weights(link_cost, relay_hop_ms, symmetric)
     n = exact.shape[0]
-    _, pred = floyd_warshall(perturbed, directed=True, return_predecessors=True, overwrite=True)
-    nh, cost = walk_predecessors(np.asarray(pred, dtype=np.int64), exact)
+    if names is not None and len(names) != n:
+        raise ValueError(f"{len(names)} names for a {n}-node cost matrix")
+    dist, nh, cost = shortest_paths(exact, perturbed)
     return RouteTables(
         names=list(names) if names is not None else [str(i) for i in range(n)],
         cost=without_relay_offset(cost, relay_hop_ms),
         next_hop=nh,
+        dist=dist,
+        symmetric=symmetric,
     )
 
 

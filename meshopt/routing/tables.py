@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -21,12 +23,20 @@ class RouteTables:
     (``NO_ROUTE`` if unreachable, ``s`` on the diagonal); ``cost[s, d]`` is the
     metric cost of that path in ms, relay-hop costs included, inf if unreachable.
     ``backup[s, d]`` is a loop-free alternate next hop or ``NO_ROUTE``.
+
+    ``dist`` is what the next hops actually minimise: path lengths over the
+    tie-perturbed weights with one relay-hop cost per edge (not subtracted).
+    The engine keeps it so that backups and incremental updates reason about
+    exactly the same unique shortest paths; ``symmetric`` records the mode the
+    weights were built in. Tables built elsewhere leave both at their defaults.
     """
 
     names: list[str]
     cost: FloatArray
     next_hop: IntArray
     backup: IntArray | None = None
+    dist: FloatArray | None = None
+    symmetric: bool = False
 
     @property
     def n(self) -> int:
@@ -82,3 +92,39 @@ def walk_costs(next_hop: IntArray, link: FloatArray, max_hops: int | None = None
         done = done | (cur == dest)
     acc[~done] = np.inf
     return acc
+
+
+def reduce_paths(
+    next_hop: IntArray, edge: FloatArray, how: Literal["sum", "min"] = "sum"
+) -> FloatArray:
+    """Sum (or minimum) of ``edge`` along every next-hop path, by pointer doubling.
+
+    Each round joins every pair's partial path with the partial path of the
+    node it has reached, so ⌈log2 n⌉ rounds of O(n²) gathers cover any
+    loop-free table, however long its paths (``walk_costs`` needs one round
+    per hop). Unreachable, broken or looping pairs get inf for "sum" and 0
+    for "min"; the diagonal gets 0 for "sum" and inf for "min".
+    """
+    n = next_hop.shape[0]
+    if n == 0:
+        return np.zeros((0, 0))
+    ident = 0.0 if how == "sum" else math.inf
+    fail = math.inf if how == "sum" else 0.0
+    op = np.add if how == "sum" else np.minimum
+    col = np.broadcast_to(np.arange(n, dtype=np.int64)[None, :], (n, n))
+    row = np.arange(n, dtype=np.int64)[:, None]
+    reach = next_hop >= 0
+    jump = np.where(reach, next_hop, col).astype(np.int64)
+    val = np.where(reach, edge[row, jump], ident)
+    np.fill_diagonal(val, ident)
+    bad = ~reach
+    for _ in range(max(1, math.ceil(math.log2(n))) + 1):
+        if (jump == col).all():
+            break
+        idx = jump * n + col
+        val = op(val, val.reshape(-1)[idx])
+        bad = bad | bad.reshape(-1)[idx]
+        jump = jump.reshape(-1)[idx]
+    bad |= jump != col
+    val[bad] = fail
+    return val
