@@ -292,10 +292,11 @@ def _parse_args(kind: str, args: str, params: dict[str, _Param], spec: str) -> d
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or key not in params:
-            known = ", ".join(params)
-            raise TopologyError(
-                f"generator {kind!r}: bad parameter {item!r} (use {known})", source=spec
+            what = (
+                f"unknown parameter {key!r}" if eq else f"bad parameter {item!r}: write key=value"
             )
+            known = ", ".join(params)
+            raise TopologyError(f"generator {kind!r}: {what} (use {known})", source=spec)
         param = params[key]
         if param.kwarg in kwargs:
             raise TopologyError(f"generator {kind!r}: {key} given twice", source=spec)
