@@ -23,8 +23,9 @@ Rules, per entry (s, d) whose installed next hop differs from the best one:
   but not the hold is reported as **held**.
 * **Repaired**: mixing kept and switched entries can create forwarding loops
   (s keeps next hop x while x switches to go via s) or, in symmetric mode,
-  break WireGuard AllowedIPs consistency. Every kept entry whose resulting
-  forwarding walk is broken is forced to the best; repeated until clean (it
+  break WireGuard AllowedIPs consistency (checked with
+  ``meshopt.routing.symmetric.allowed_ips_violations``). Kept entries on every
+  broken or inconsistent walk are forced to the best, repeated until clean (it
   terminates: the all-best table is clean).
 
 Defaults and why (anchors: Netbird ≥ 20 ms and ≥ 20 % and > 4σ, hold 30 s;
@@ -72,7 +73,8 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.errors import InputError
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
+from meshopt.routing.symmetric import allowed_ips_violations
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -114,7 +116,12 @@ class Installed:
 
 @dataclass
 class Decision:
-    """The new installed state and why each entry changed (or did not)."""
+    """The new installed state and why each entry changed (or did not).
+
+    Flags are per entry, also in symmetric mode (where pairs are decided
+    together): ``failed | improved | repaired`` is exactly ``changed``, and
+    ``held`` marks entries left differing from the best only by the hold time.
+    """
 
     installed: Installed
     changed: BoolArray  # next hop differs from the previous installed one
@@ -124,51 +131,20 @@ class Decision:
     repaired: BoolArray  # kept entry forced to the best to keep forwarding loop-free/consistent
 
 
-def _follow(
-    next_hop: IntArray, links: Sequence[FloatArray] = ()
-) -> tuple[BoolArray, list[FloatArray]]:
-    """Which next-hop walks reach their destination, and each ``links`` matrix summed along them.
-
-    Pointer jumping over all pairs at once: each round doubles the number of
-    hops every walk has taken, so loops cost O(n² log n) instead of the
-    O(n³) of walking them hop by hop; loop-free tables stop after
-    ⌈log2(longest path)⌉ rounds. A missing next hop leads to an absorbing dead
-    row; the destination itself is absorbing with cost 0. Unreachable walks sum
-    to inf.
-    """
-    n = next_hop.shape[0]
-    if next_hop.shape != (n, n):
-        raise ValueError(f"next-hop table must be square, got {next_hop.shape}")
+def _check_table(name: str, next_hop: IntArray, n: int) -> None:
+    _check_square(name, next_hop, n)
     if ((next_hop < NO_ROUTE) | (next_hop >= n)).any():
-        raise ValueError("next-hop table holds an index outside the mesh")
-    dead = n
-    cols = np.arange(n)
-    p = np.where(next_hop == NO_ROUTE, dead, next_hop).astype(np.int64)
-    p[cols, cols] = cols
-    live = p != dead
-    rows = np.broadcast_to(cols[:, None], (n, n))
-    safe = np.where(live, p, rows)
-    sums: list[FloatArray] = []
-    for link in links:
-        a = np.where(live, link[rows, safe], 0.0)
-        a[cols, cols] = 0.0
-        sums.append(np.vstack([a, np.zeros((1, n))]))
-    pos = np.vstack([p, np.full((1, n), dead, dtype=np.int64)])
-    steps = 1
-    while steps < n:
-        if ((pos == cols) | (pos == dead)).all():
-            break
-        idx = pos * n + cols
-        sums = [s + s.ravel()[idx] for s in sums]
-        pos = pos.ravel()[idx]
-        steps *= 2
-    reach: BoolArray = pos[:n] == cols
-    return reach, [np.where(reach, s[:n], np.inf) for s in sums]
+        raise ValueError(f"{name} holds an index outside the mesh")
+    diag = np.arange(n)
+    if (next_hop[diag, diag] != diag).any():
+        raise ValueError(f"{name} must route every node to itself on the diagonal")
 
 
 def reaches(next_hop: IntArray) -> BoolArray:
     """Mask of pairs whose next-hop walk arrives at the destination (no loop, no gap)."""
-    return _follow(next_hop)[0]
+    n = next_hop.shape[0]
+    arrive: BoolArray = np.isfinite(reduce_paths(next_hop, np.zeros((n, n))))
+    return arrive
 
 
 def _with_relay(link_cost: FloatArray, relay_hop_ms: float) -> FloatArray:
@@ -188,9 +164,12 @@ def path_cost(next_hop: IntArray, link_cost: FloatArray, relay_hop_ms: float = 2
     Same convention as the route engine: k hops pay k link costs and k-1 relay
     hop costs. inf where the walk is broken, loops, or crosses a down (inf) link.
     """
-    _check_square("link_cost", link_cost, next_hop.shape[0])
-    _, (cost,) = _follow(next_hop, [_with_relay(link_cost, relay_hop_ms)])
-    return _without_relay(cost, relay_hop_ms)
+    n = next_hop.shape[0]
+    _check_table("next_hop", next_hop, n)
+    _check_square("link_cost", link_cost, n)
+    return _without_relay(
+        reduce_paths(next_hop, _with_relay(link_cost, relay_hop_ms)), relay_hop_ms
+    )
 
 
 def reindex(installed: Installed, old_names: Sequence[str], new_names: Sequence[str]) -> Installed:
@@ -225,12 +204,6 @@ def _check_square(name: str, a: npt.NDArray[np.generic], n: int) -> None:
 def _check_costs(name: str, a: FloatArray) -> None:
     if np.isnan(a).any() or (a < 0).any():
         raise ValueError(f"{name} must be >= 0 (inf allowed), never NaN")
-
-
-def _check_diagonal(name: str, next_hop: IntArray) -> None:
-    diag = np.arange(next_hop.shape[0])
-    if (next_hop[diag, diag] != diag).any():
-        raise ValueError(f"{name} must route every node to itself on the diagonal")
 
 
 def _pairwise(mask: BoolArray) -> BoolArray:
@@ -275,8 +248,7 @@ def decide(
     """
     n = best.n
     b = best.next_hop
-    _check_square("best.next_hop", b, n)
-    _check_diagonal("best.next_hop", b)
+    _check_table("best.next_hop", b, n)
     _check_square("link_cost", link_cost, n)
     _check_square("link_noise", link_noise, n)
     _check_costs("link_cost", link_cost)
@@ -284,9 +256,8 @@ def decide(
     if installed is None:
         return _first_install(best, now)
     c = installed.next_hop
-    _check_square("installed.next_hop", c, n)
+    _check_table("installed.next_hop", c, n)
     _check_square("installed.since", installed.since, n)
-    _check_diagonal("installed.next_hop", c)
 
     cost = np.asarray(link_cost, dtype=np.float64)
     var = np.asarray(link_noise, dtype=np.float64) ** 2
@@ -296,10 +267,10 @@ def decide(
         cost = (cost + cost.T) / 2.0
         var = (var + var.T) / 4.0
     w = _with_relay(cost, relay_hop_ms)
-    _, (cur, var_cur) = _follow(c, [w, var])
-    _, (new, var_new) = _follow(b, [w, var])
-    cur = _without_relay(cur, relay_hop_ms)
-    new = _without_relay(new, relay_hop_ms)
+    cur = _without_relay(reduce_paths(c, w), relay_hop_ms)
+    new = _without_relay(reduce_paths(b, w), relay_hop_ms)
+    var_cur = reduce_paths(c, var)
+    var_new = reduce_paths(b, var)
     diff: BoolArray = c != b
     if symmetric:
         # One decision per unordered pair, on the pair's mean cost and its latest change.
@@ -339,24 +310,30 @@ def decide(
         changed=changed,
         failed=failed & changed,
         improved=improved & changed,
-        held=held & ~repaired,
+        held=held & (table != b),
         repaired=repaired & changed,
     )
 
 
 def _repair(table: IntArray, best: IntArray, symmetric: bool) -> BoolArray:
-    """Entries that must take the best next hop so that every walk in the table arrives.
+    """Entries that must take the best next hop so that the table forwards cleanly.
 
-    Forcing every entry whose walk fails, at once, is enough in one round when
-    the best table is clean: a forced node follows best next hops until it
-    meets an entry that already arrives or the destination. The loop only
-    guards against a best table that is itself broken (then it stops when
-    nothing more can be forced).
+    Directed mode: forcing every entry whose walk fails, at once, is enough in
+    one round when the best table is clean (a forced node follows best next
+    hops until it meets an entry that already arrives, or the destination).
+
+    Symmetric mode also needs WireGuard AllowedIPs consistency. For every path
+    that a relay would drop, the entries along its walk are forced first (with
+    their reverse direction: pairs move together); only when they all are best
+    already, the relays' routes back to the source are. Each round forces at
+    least one more entry towards the (consistent) best table, so it ends.
+    If the best table itself is broken or inconsistent, it stops when nothing
+    more can be forced.
     """
     n = table.shape[0]
     forced = np.zeros((n, n), dtype=bool)
     current = table
-    for _ in range(n + 1):
+    while True:  # loops and gaps (directed: one round, unless the best table is broken)
         bad = ~reaches(current) & (current != best)
         if symmetric:
             bad = _pairwise(bad) & (current != best)
@@ -364,4 +341,35 @@ def _repair(table: IntArray, best: IntArray, symmetric: bool) -> BoolArray:
             break
         forced |= bad
         current = np.where(bad, best, current)
+    while symmetric:  # AllowedIPs; the check also lists any loop or gap a forced entry makes
+        pairs = allowed_ips_violations(current)
+        if pairs.shape[0] == 0:
+            break
+        walk, back = _walk_entries(current, pairs)
+        bad = _pairwise(walk) & (current != best)
+        if not bad.any():
+            bad = _pairwise(back) & (current != best)
+        if not bad.any():
+            break
+        forced |= bad
+        current = np.where(bad, best, current)
     return forced
+
+
+def _walk_entries(table: IntArray, pairs: IntArray) -> tuple[BoolArray, BoolArray]:
+    """Entries (x, d) along the walks of the given (a, d) pairs, and the entries (x, a) back."""
+    n = table.shape[0]
+    walk = np.zeros((n, n), dtype=bool)
+    back = np.zeros((n, n), dtype=bool)
+    a, d = pairs[:, 0], pairs[:, 1]
+    cur = a.copy()
+    for _ in range(n):
+        if a.size == 0:
+            break
+        walk[cur, d] = True
+        nxt = table[cur, d]
+        live = nxt != NO_ROUTE
+        back[nxt[live], a[live]] = True
+        keep = live & (nxt != d)
+        a, d, cur = a[keep], d[keep], nxt[keep]
+    return walk, back

@@ -17,6 +17,7 @@ from meshopt.policy import (
     reindex,
 )
 from meshopt.routing.allpairs import compute_routes
+from meshopt.routing.symmetric import allowed_ips_consistent
 from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, walk_costs
 
 INF = np.inf
@@ -69,12 +70,16 @@ def step(
     )
 
 
-def check_invariants(d: Decision, prev: Installed | None, best: RouteTables) -> None:
+def check_invariants(
+    d: Decision, prev: Installed | None, best: RouteTables, symmetric: bool = False
+) -> None:
     """What must hold for every decision, whatever the inputs."""
     out = d.installed.next_hop
     ok = reaches(out)
     assert (ok == reaches(best.next_hop)).all(), "a reachable pair lost its route, or vice versa"
     assert (out[~ok] == NO_ROUTE).all(), "a route points into a loop or a gap"
+    if symmetric:
+        assert allowed_ips_consistent(out), "a relay would drop packets (AllowedIPs)"
     if prev is None:
         return
     assert (d.changed == (out != prev.next_hop)).all()
@@ -242,6 +247,54 @@ def test_loop_repair_reaches_through_a_chain() -> None:
     check_invariants(d, installed, best)
 
 
+# ---------------------------------------------------------------------------- symmetric
+
+
+def test_symmetric_mode_decides_both_directions_together() -> None:
+    """a→c gains 10 ms alone, c→a loses 2 ms: directed splits them, symmetric keeps the pair."""
+    cost = triangle(52, 20, 20)  # relay 42 both ways
+    cost[2, 0] = 40.0  # mean direct 46: the pair gains only 4 ms < 5 ms
+    directed = step(installed_direct(), cost, now=100.0)
+    assert directed.improved[0, 2] and not directed.changed[2, 0]
+    sym = step(installed_direct(), cost, now=100.0, symmetric=True)
+    assert not sym.changed.any()
+
+    cost[2, 0] = 60.0  # mean direct 56: the pair gains 14 ms, both directions switch
+    sym = step(installed_direct(), cost, now=100.0, symmetric=True)
+    assert sym.improved[0, 2] and sym.improved[2, 0] and sym.changed.sum() == 2
+    assert allowed_ips_consistent(sym.installed.next_hop)
+
+    installed = installed_direct()
+    installed.since[2, 0] = 90.0  # one direction changed recently: the pair is held
+    sym = step(installed, cost, now=100.0, symmetric=True)
+    assert sym.held[0, 2] and sym.held[2, 0] and not sym.changed.any()
+
+
+def test_symmetric_repair_keeps_allowed_ips_consistent() -> None:
+    """x's route back to a moves to y while a→x→d is held: x would drop a's packets."""
+    a, x, d, y = range(4)
+    links = {(a, x): 10.0, (x, d): 10.0, (a, y): 10.0, (y, x): 10.0, (a, d): 50.0}
+    first = step(None, mesh(4, links), now=0.0, symmetric=True)
+    assert first.installed.next_hop[a, d] == x and first.installed.next_hop[x, a] == a
+    installed = Installed(first.installed.next_hop.copy(), first.installed.since.copy())
+    installed.since[a, d] = installed.since[d, a] = 95.0  # the pair (a, d) is held
+    worse = mesh(4, {**links, (a, x): 40.0})
+    best = compute_routes(worse, symmetric=True)
+    assert best.next_hop[x, a] == y and best.next_hop[a, d] == y
+    out = decide(installed, best, worse, zeros(4), 100.0, symmetric=True)
+
+    assert out.improved[x, a] and out.improved[a, x]
+    naive = installed.next_hop.copy()
+    naive[out.improved | out.failed] = best.next_hop[out.improved | out.failed]
+    assert reaches(naive).all() and not allowed_ips_consistent(naive), "loop-free, yet dropped"
+
+    assert out.repaired[a, d] and out.installed.next_hop[a, d] == y
+    assert out.installed.next_hop[d, a] == x, "d's next hop is right already: d → x → y → a"
+    assert not out.held.any()
+    assert allowed_ips_consistent(out.installed.next_hop)
+    check_invariants(out, installed, best, symmetric=True)
+
+
 # ---------------------------------------------------------------------------- path_cost
 
 
@@ -322,7 +375,7 @@ def test_random_meshes_stay_loop_free_and_reachable(
         )
         d = decide(prev, best, cost, noise, now, config, symmetric=symmetric)
         again = decide(prev, best, cost, noise, now, config, symmetric=symmetric)
-        check_invariants(d, prev, best)
+        check_invariants(d, prev, best, symmetric)
         assert np.isfinite(path_cost(d.installed.next_hop, cost)[reaches(best.next_hop)]).all()
         for field in ("changed", "failed", "improved", "held", "repaired"):
             assert (getattr(d, field) == getattr(again, field)).all()
