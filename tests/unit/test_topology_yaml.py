@@ -291,6 +291,11 @@ def test_file_level_errors(tmp_path: Path, data: bytes, fragment: str) -> None:
     assert str(path) in str(info.value)
 
 
+def test_lone_surrogate_in_text() -> None:
+    with pytest.raises(TopologyError, match="Unicode"):
+        parse_yaml("nodes: {a: , \ud800: }")
+
+
 def test_not_utf8_reports_the_line(tmp_path: Path) -> None:
     path = tmp_path / "latin1.yaml"
     path.write_bytes("defaults: {delay: 1}\nnodes:\n  z\xfcrich: {}\n".encode("latin-1"))
