@@ -99,6 +99,13 @@ class IncrementalRoutes:
         return len(self._names)
 
     @property
+    def next_hop(self) -> IntArray:
+        """The live next-hop matrix as a read-only view (no copy; changes with updates)."""
+        v = self._nh.view()
+        v.setflags(write=False)
+        return v
+
+    @property
     def link_cost(self) -> FloatArray:
         """The current link-cost matrix (a copy)."""
         return self._link.copy()

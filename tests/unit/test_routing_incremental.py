@@ -131,6 +131,10 @@ def test_tables_are_snapshots() -> None:
     assert np.array_equal(t.next_hop, nh)
     assert inc.tables.next_hop[0, 1] == 1
     assert inc.tables.names[0] == "n0"
+    live = inc.next_hop
+    assert np.array_equal(live, inc.tables.next_hop)
+    with pytest.raises(ValueError):
+        live[0, 1] = 2
 
 
 def test_bad_updates_are_rejected() -> None:

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""Benchmark the route engine on synthetic geographic full meshes; prints JSON.
+
+Self-contained on purpose (numpy only for the input): nodes are uniform random
+points on a sphere, link RTT = great-circle fibre delay × a path-inflation
+factor (1.2–3, and 2–5 for one pair in ten) + both ends' access delay, with a
+few per-cent of per-direction measurement noise. Bandwidths (for widest paths)
+follow an access-capacity model: link = min(capacity of both ends) × 0.3–1.
+
+Measured per size: all-pairs next hops with the backend (median/min of
+--repeat runs), the networkx reference in the same run where it is affordable,
+symmetric mode and its AllowedIPs check, backups and widest paths; then single-
+link incremental updates at the largest size against a full recompute of the
+same matrix. Targets on the 2-core dev box: n=1000 ≤ 1 s, ≥100× networkx at
+n=200, incremental ≤ 50 ms median at n=1000.
+
+    .venv/bin/python scripts/bench_routes.py --out bench.json
+    .venv/bin/python scripts/bench_routes.py --quick
+    .venv/bin/python scripts/bench_routes.py --baseline old.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import numpy.typing as npt
+import scipy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshopt.routing import (
+    IncrementalRoutes,
+    add_backups,
+    allowed_ips_consistent,
+    compute_routes,
+    reference_routes,
+    widest_routes,
+)
+
+FloatArray = npt.NDArray[np.float64]
+EARTH_KM = 6371.0
+FIBRE_KM_PER_MS = 200.0
+
+
+def geo_mesh(n: int, rng: np.random.Generator) -> FloatArray:
+    """Full-mesh link costs (ms) from random points on a sphere."""
+    p = rng.normal(size=(n, 3))
+    p /= np.linalg.norm(p, axis=1, keepdims=True)
+    km = np.arccos(np.clip(p @ p.T, -1.0, 1.0)) * EARTH_KM
+    inflation = rng.uniform(1.2, 3.0, (n, n))
+    detour = rng.random((n, n)) < 0.1
+    inflation[detour] = rng.uniform(2.0, 5.0, int(detour.sum()))
+    inflation = np.triu(inflation, 1)
+    inflation += inflation.T
+    access = rng.uniform(0.5, 5.0, n)
+    rtt = 2.0 * km / FIBRE_KM_PER_MS * inflation + access[:, None] + access[None, :]
+    cost = rtt * rng.uniform(0.97, 1.03, (n, n))
+    np.fill_diagonal(cost, 0.0)
+    return cost
+
+
+def access_bandwidth(n: int, rng: np.random.Generator) -> FloatArray:
+    """Mbit/s: node capacities log-uniform 10 Mbit–10 Gbit, links below both ends."""
+    cap = 10.0 ** rng.uniform(1.0, 4.0, n)
+    bw = np.minimum(cap[:, None], cap[None, :]) * rng.uniform(0.3, 1.0, (n, n))
+    return np.asarray(bw, dtype=np.float64)
+
+
+def timed(fn: Callable[[], object], repeat: int, budget_s: float) -> dict[str, Any]:
+    """Run ``fn`` up to ``repeat`` times (fewer once ``budget_s`` is spent)."""
+    runs: list[float] = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t0)
+        if sum(runs) > budget_s:
+            break
+    return {"median": statistics.median(runs), "min": min(runs), "runs": runs}
+
+
+def to_graph(cost: FloatArray) -> nx.DiGraph:
+    n = cost.shape[0]
+    names = [str(i) for i in range(n)]
+    g = nx.DiGraph(nodes=names)
+    g.add_nodes_from(names)
+    a, b = np.nonzero(np.isfinite(cost) & ~np.eye(n, dtype=bool))
+    g.add_weighted_edges_from(
+        ((names[i], names[j], float(cost[i, j])) for i, j in zip(a, b, strict=True)),
+        weight="cost",
+    )
+    return g
+
+
+def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
+    cost = geo_mesh(n, rng)
+    out: dict[str, Any] = {"n": n, "links": n * (n - 1)}
+    tables = compute_routes(cost)
+    out["routes_s"] = timed(lambda: compute_routes(cost), args.repeat, args.budget)
+    out["relayed_fraction"] = float(tables.relayed().sum() / (n * (n - 1)))
+    if n <= args.reference_max:
+        g = to_graph(cost)
+        ref = reference_routes(g, relay_hop_ms=2.0)
+        out["reference_s"] = timed(
+            lambda: reference_routes(g, relay_hop_ms=2.0), args.repeat, args.budget
+        )
+        out["speedup_vs_networkx"] = out["reference_s"]["median"] / out["routes_s"]["median"]
+        out["max_cost_diff_vs_networkx_ms"] = float(np.max(np.abs(ref.cost - tables.cost)))
+    else:
+        out["reference_s"] = {"skipped": f"n > --reference-max {args.reference_max}"}
+    sym = compute_routes(cost, symmetric=True)
+    out["symmetric_routes_s"] = timed(
+        lambda: compute_routes(cost, symmetric=True), args.repeat, args.budget
+    )
+    out["allowed_ips_check_s"] = timed(lambda: allowed_ips_consistent(sym), 1, args.budget)
+    out["allowed_ips_consistent"] = {
+        "symmetric": allowed_ips_consistent(sym),
+        "directed": allowed_ips_consistent(tables),
+    }
+    if n <= args.extras_max:
+        with_backups = add_backups(tables, cost)
+        out["backups_s"] = timed(lambda: add_backups(tables, cost), args.repeat, args.budget)
+        assert with_backups.backup is not None
+        out["backup_coverage"] = float((with_backups.backup >= 0).sum() / (n * (n - 1)))
+        bw = access_bandwidth(n, rng)
+        wide = widest_routes(bw, cost)
+        out["widest_s"] = timed(lambda: widest_routes(bw, cost), args.repeat, args.budget)
+        off = ~np.eye(n, dtype=bool)
+        out["widest_relayed_fraction"] = float(wide.relayed().sum() / (n * (n - 1)))
+        out["widest_median_bandwidth_gain"] = float(
+            np.median(wide.bandwidth[off] / np.where(off, bw, 1.0)[off])
+        )
+    else:
+        why = f"n > --extras-max {args.extras_max}"
+        out["backups_s"] = {"skipped": why}
+        out["widest_s"] = {"skipped": why}
+    return out
+
+
+def bench_incremental(
+    n: int, updates: int, repeat: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """Single-link changes: half on links that carry traffic, half on any link."""
+    cost = geo_mesh(n, rng)
+    t0 = time.perf_counter()
+    inc = IncrementalRoutes(cost)
+    init_s = time.perf_counter() - t0
+    times: dict[str, list[float]] = {}
+    cols = np.arange(n)
+    for k in range(updates):
+        a = int(rng.integers(n))
+        if k % 2 == 0:  # a link on a shortest path (the expensive case for increases)
+            used = np.flatnonzero((inc.next_hop[a] == cols) & (cols != a))
+            b = int(rng.choice(used))
+            which = "used"
+        else:
+            b = int((a + 1 + rng.integers(n - 1)) % n)
+            which = "any"
+        old = float(cost[a, b])
+        r = rng.random()
+        if not np.isfinite(old):
+            kind, new = "restore", float(rng.uniform(5.0, 200.0))
+        elif r < 0.1:
+            kind, new = "down", float("inf")
+        elif r < 0.55:
+            kind, new = "increase", old * float(rng.uniform(1.2, 3.0))
+        else:
+            kind, new = "decrease", old * float(rng.uniform(0.3, 0.9))
+        t0 = time.perf_counter()
+        inc.update_link(a, b, new)
+        dt = time.perf_counter() - t0
+        cost[a, b] = new
+        times.setdefault(f"{kind}/{which}", []).append(dt)
+    flat = sorted(t for ts in times.values() for t in ts)
+    full = timed(lambda: compute_routes(cost), repeat, 60.0)
+    want = compute_routes(cost)
+    got = inc.tables
+    same = bool(
+        np.array_equal(got.next_hop, want.next_hop)
+        and np.allclose(got.cost, want.cost, rtol=0.0, atol=1e-9, equal_nan=False)
+    )
+    med = statistics.median(flat)
+    return {
+        "n": n,
+        "updates": len(flat),
+        "init_s": init_s,
+        "median_ms": med * 1e3,
+        "p95_ms": float(np.percentile(flat, 95)) * 1e3,
+        "max_ms": flat[-1] * 1e3,
+        "mean_ms": statistics.fmean(flat) * 1e3,
+        "by_kind_median_ms": {k: statistics.median(v) * 1e3 for k, v in sorted(times.items())},
+        "by_kind_count": {k: len(v) for k, v in sorted(times.items())},
+        "engine_stats": dict(inc.stats),
+        "full_recompute_s": full,
+        "speedup_median_vs_full": full["median"] / med,
+        "identical_to_full_recompute": same,
+    }
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    sizes = result["sizes"]
+    out: dict[str, Any] = {}
+    if "1000" in sizes:
+        out["routes_n1000_le_1s"] = sizes["1000"]["routes_s"]["median"] <= 1.0
+    if "200" in sizes and "speedup_vs_networkx" in sizes["200"]:
+        out["speedup_n200_ge_100x"] = sizes["200"]["speedup_vs_networkx"] >= 100.0
+    inc = result.get("incremental")
+    if inc and inc["n"] >= 1000:
+        out["incremental_n1000_median_le_50ms"] = inc["median_ms"] <= 50.0
+    return out
+
+
+def timing_leaves(d: Any, prefix: str = "") -> dict[str, float]:
+    """Flatten every {"median": ...} timing and every *_ms figure to path → value."""
+    out: dict[str, float] = {}
+    if isinstance(d, dict):
+        if "median" in d and isinstance(d["median"], float):
+            out[prefix] = d["median"]
+            return out
+        for k, v in d.items():
+            path = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, float) and k.endswith("_ms"):
+                out[path] = v
+            else:
+                out.update(timing_leaves(v, path))
+    return out
+
+
+def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, float]:
+    """new/old time ratios for every timing present in both (< 1 is faster)."""
+    a, b = timing_leaves(new), timing_leaves(old)
+    return {k: a[k] / b[k] for k in sorted(a) if k in b and b[k] > 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--sizes", default="100,200,500,1000", help="comma-separated mesh sizes")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (median, min)")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
+    ap.add_argument("--baseline", type=Path, help="previous JSON to compare against")
+    ap.add_argument("--out", type=Path, help="also write the JSON here")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--updates", type=int, default=60, help="incremental single-link changes")
+    ap.add_argument("--incremental-n", type=int, help="mesh size for updates (default: largest)")
+    ap.add_argument("--reference-max", type=int, default=200, help="largest n for networkx")
+    ap.add_argument("--extras-max", type=int, default=1000, help="largest n for backups/widest")
+    ap.add_argument("--budget", type=float, default=30.0, help="seconds per measurement")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.updates, args.repeat = "20,40", 10, max(1, min(args.repeat, 2))
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.repeat < 1 or not sizes or min(sizes) < 2:
+        ap.error("need --repeat >= 1 and sizes >= 2")
+    rng = np.random.default_rng(args.seed)
+    result: dict[str, Any] = {
+        "meta": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "scipy": scipy.__version__,
+            "networkx": nx.__version__,
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "seed": args.seed,
+            "repeat": args.repeat,
+            "quick": args.quick,
+            "argv": sys.argv[1:] if argv is None else argv,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        "sizes": {},
+    }
+    for n in sizes:
+        print(f"# n={n}", file=sys.stderr, flush=True)
+        result["sizes"][str(n)] = bench_size(n, args, rng)
+    inc_n = args.incremental_n or max(sizes)
+    print(f"# incremental n={inc_n}", file=sys.stderr, flush=True)
+    result["incremental"] = bench_incremental(inc_n, args.updates, args.repeat, rng)
+    result["targets"] = targets(result)
+    if args.baseline:
+        ratios = compare(result, json.loads(args.baseline.read_text()))
+        result["vs_baseline"] = ratios
+        for k, v in ratios.items():
+            print(f"{k:60s} {v:6.2f}x", file=sys.stderr)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
