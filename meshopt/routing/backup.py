@@ -58,7 +58,12 @@ def _checked_dist(
     s, d = np.nonzero(reach)
     p = nh[s, d]
     via = w[s, p] + dist[p, d]
-    if not np.allclose(via, dist[s, d], rtol=1e-9, atol=1e-9):
+    # Primaries must be shortest over these weights, and no direct link may beat them
+    # (catches a link that got cheaper since; a full optimality check would be O(n³)).
+    fin = np.isfinite(dist)
+    margin = np.where(fin, dist - 1e-9 * (1.0 + np.abs(np.where(fin, dist, 0.0))), np.inf)
+    direct_ok = not (w < margin).any()
+    if not (direct_ok and np.allclose(via, dist[s, d], rtol=1e-9, atol=1e-9)):
         raise ValueError("tables were not computed from this link_cost and relay_hop_ms")
     return dist
 

@@ -15,17 +15,31 @@ import numpy as np
 from meshopt.routing.tables import NO_ROUTE, IntArray, RouteTables
 
 
-def allowed_ips_violations(tables: RouteTables | IntArray) -> IntArray:
+def _next_hops(tables: RouteTables | IntArray) -> IntArray:
+    return tables.next_hop if isinstance(tables, RouteTables) else tables
+
+
+def allowed_ips_violations(
+    tables: RouteTables | IntArray, accept: RouteTables | IntArray | None = None
+) -> IntArray:
     """(source, destination) pairs whose path a relay would drop, as a k×2 array.
 
-    A pair is listed when some hop p→x on its path has ``next_hop[x, a] != p``,
+    A pair is listed when some hop p→x on its path has ``accept[x, a] != p``,
     or when the path breaks (``NO_ROUTE`` on the way) or loops. Unreachable
     pairs (``next_hop[a, d] == NO_ROUTE``) have no path and are not listed.
 
+    ``accept`` is the table the AllowedIPs are derived from; it defaults to
+    ``tables`` itself. Pass the main tables when ``tables`` is a second routing
+    class (e.g. bulk traffic on widest paths): WireGuard has one AllowedIPs set
+    per peer, so every class's relayed packets are checked against it.
+
     Vectorised over all pairs at once, one gather per hop: O(n² · longest path).
     """
-    nh = tables.next_hop if isinstance(tables, RouteTables) else tables
+    nh = _next_hops(tables)
+    back_nh = nh if accept is None else _next_hops(accept)
     n = nh.shape[0]
+    if back_nh.shape != nh.shape:
+        raise ValueError("tables and accept differ in size")
     a, d = np.nonzero((nh != NO_ROUTE) & ~np.eye(n, dtype=bool))
     a = a.astype(np.int64)
     d = d.astype(np.int64)
@@ -36,7 +50,7 @@ def allowed_ips_violations(tables: RouteTables | IntArray) -> IntArray:
             break
         nxt = nh[cur, d]
         broken = nxt == NO_ROUTE
-        back = nh[np.where(broken, cur, nxt), a]
+        back = back_nh[np.where(broken, cur, nxt), a]
         bad = broken | (back != cur)
         if bad.any():
             found.append(np.stack([a[bad], d[bad]], axis=1))
@@ -50,6 +64,8 @@ def allowed_ips_violations(tables: RouteTables | IntArray) -> IntArray:
     return out[np.lexsort((out[:, 1], out[:, 0]))]
 
 
-def allowed_ips_consistent(tables: RouteTables | IntArray) -> bool:
+def allowed_ips_consistent(
+    tables: RouteTables | IntArray, accept: RouteTables | IntArray | None = None
+) -> bool:
     """True if every relayed packet would pass every relay's AllowedIPs check."""
-    return bool(allowed_ips_violations(tables).shape[0] == 0)
+    return bool(allowed_ips_violations(tables, accept).shape[0] == 0)

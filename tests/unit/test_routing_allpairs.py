@@ -122,13 +122,13 @@ def check_against_reference(m: Mesh, symmetric: bool = False) -> None:
     assert np.allclose(t.dist[s_, d_], best, rtol=1e-12, atol=1e-9)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(meshes())
 def test_costs_match_networkx(m: Mesh) -> None:
     check_against_reference(m)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(meshes())
 def test_costs_match_networkx_symmetric(m: Mesh) -> None:
     check_against_reference(m, symmetric=True)

@@ -49,7 +49,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(meshes(max_n=14), st.booleans(), ops)
 def test_every_step_matches_a_full_recompute(
     m: Mesh, symmetric: bool, steps: list[tuple[int, int, str, float]]

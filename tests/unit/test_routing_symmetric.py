@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +32,7 @@ def as_set(v: IntArray) -> set[tuple[int, int]]:
     return {(int(a), int(d)) for a, d in v}
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(meshes(kinds=("int", "int", "float")))
 def test_symmetric_paths_are_exact_reverses(m: Mesh) -> None:
     t = compute_routes(m.cost, relay_hop_ms=m.relay_hop_ms, symmetric=True)
@@ -97,6 +98,21 @@ def test_one_changed_entry_at_a_relay_is_caught() -> None:
     bad = as_set(allowed_ips_violations(nh))
     assert (0, 3) in bad
     assert bad == brute_violations(nh)
+
+
+def test_a_second_routing_class_is_checked_against_the_main_tables() -> None:
+    # Bulk traffic 0→1 relays via 2 (wide), the main class goes direct (fast).
+    cost = np.array([[0.0, 10.0, 20.0], [10.0, 0.0, 20.0], [20.0, 20.0, 0.0]])
+    main = compute_routes(cost, symmetric=True)
+    bulk = main.next_hop.copy()
+    bulk[0, 1], bulk[1, 0] = 2, 2
+    assert allowed_ips_consistent(bulk)  # consistent on its own, but node 1 gets 0's
+    # bulk packets from peer 2 while its main table (the AllowedIPs) routes 0 directly.
+    assert not allowed_ips_consistent(bulk, main)
+    assert as_set(allowed_ips_violations(bulk, main)) == {(0, 1), (1, 0)}
+    assert allowed_ips_consistent(main, main)
+    with pytest.raises(ValueError):
+        allowed_ips_violations(bulk, np.zeros((2, 2), dtype=np.int64))
 
 
 def test_empty_and_trivial_tables() -> None:

@@ -95,14 +95,14 @@ def check(m: BwMesh, t: WidestTables) -> None:
         assert lv[s, x] >= t.level[s, d]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(bw_meshes())
 def test_bottleneck_is_maximal_and_paths_are_consistent(m: BwMesh) -> None:
     t = widest_routes(m.bw, m.cost, relay_hop_ms=m.relay_hop_ms, bucket=m.bucket)
     check(m, t)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(bw_meshes(max_n=14))
 def test_first_hop_is_the_shortest_path_within_the_best_level(m: BwMesh) -> None:
     # Tie-break: within G_L (links of level >= L, L = the pair's level) the first hop
