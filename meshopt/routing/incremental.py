@@ -18,9 +18,9 @@ same next hops, and costs equal up to float rounding.
   with NH(i,d) == j, sources with i on their path to d (a subtree test on
   d's in-tree). Only those entries are recomputed, by a min-plus step over
   the unaffected entries, D'(a,d) = min_k W(a,k) + D(k,d), then Bellman–Ford
-  among the affected ones; the new next hop is the argmin k. Work is
-  O(|affected pairs| · n); past ``max_affected`` of all pairs a full run is
-  cheaper and is done instead.
+  among the affected ones; the new next hop is the argmin k. Work is about
+  r·m·(n + r) for r affected sources and m affected destinations; past
+  ``max_affected`` × n³ a full run is cheaper and is done instead.
 """
 
 from __future__ import annotations
@@ -187,7 +187,10 @@ class IncrementalRoutes:
         dests = np.flatnonzero(nh[i] == j)
         hit = _through(nh[:, dests], dests, i)
         rows = np.flatnonzero(hit.any(axis=1))
-        if rows.size * dests.size > self._max_affected * n * n:
+        # Min-plus over all n first hops plus (usually one or two) Bellman–Ford sweeps
+        # among the r affected rows: ~ r·m·(n + r) against a full run's n³.
+        r, m = rows.size, dests.size
+        if r * m * (n + r) > self._max_affected * n**3:
             self.recompute()
             return
         self.stats["increase"] += 1
