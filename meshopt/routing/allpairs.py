@@ -94,38 +94,6 @@ def shortest_paths(
     return dist, nh, reduce_paths(nh, exact, "sum")
 
 
-def walk_predecessors(pred: IntArray, exact_w: FloatArray) -> tuple[IntArray, FloatArray]:
-    """First hop and exact cost of every shortest path, from a predecessor matrix.
-
-    (No longer used by ``compute_routes``; kept for callers holding a
-    source-rooted predecessor matrix.)
-
-    Walks every pair's predecessor chain back towards its source at once, keeping
-    only the pairs not yet finished, so the work is the total number of hops
-    (about 1.5 per pair in a mesh), not n² per step.
-    """
-    n = pred.shape[0]
-    nh = np.full(n * n, NO_ROUTE, dtype=np.int64)
-    cost = np.full(n * n, np.inf)
-    flat = np.arange(n * n, dtype=np.int64)
-    src, cur = flat // n, flat % n
-    reach = pred.reshape(-1) >= 0
-    diag = src == cur
-    nh[diag] = src[diag]
-    cost[diag] = 0.0
-    idx, src, cur = flat[reach], src[reach], cur[reach]
-    acc = np.zeros(idx.size)
-    while idx.size:
-        p = pred[src, cur]
-        acc += exact_w[p, cur]
-        fin = p == src
-        nh[idx[fin]] = cur[fin]
-        cost[idx[fin]] = acc[fin]
-        keep = ~fin
-        idx, src, cur, acc = idx[keep], src[keep], p[keep], acc[keep]
-    return nh.reshape(n, n), cost.reshape(n, n)
-
-
 def without_relay_offset(cost: FloatArray, relay_hop_ms: float) -> FloatArray:
     """Take one relay-hop cost off every path: k hops pay for k-1 relays."""
     out = cost.copy()
