@@ -229,7 +229,7 @@ def timing_leaves(d: Any, prefix: str = "") -> dict[str, float]:
             return out
         for k, v in d.items():
             path = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, float) and k.endswith("_ms"):
+            if isinstance(v, float) and k.endswith("_ms") and "diff" not in k:
                 out[path] = v
             else:
                 out.update(timing_leaves(v, path))
