@@ -96,7 +96,7 @@ def _first_hops(pred: IntArray, roots: IntArray) -> IntArray:
         if np.array_equal(g, f):
             break
         f = g
-    out = np.where(pred < 0, NO_ROUTE, f)
+    out: IntArray = np.where(pred < 0, NO_ROUTE, f)
     return out
 
 
@@ -137,7 +137,6 @@ def _level_next_hops(
         out[out < 0] = NO_ROUTE
         return out
     r, c = np.nonzero(edge)
-    graph = csr_matrix((w[r, c], (r, c)), shape=(k, k))
     if plan == "dst":
         src_roots, dst_roots = np.zeros(0, dtype=np.int64), dsts
     elif plan == "src":
@@ -150,6 +149,7 @@ def _level_next_hops(
         pt = np.asarray(pred_t, dtype=np.int64)
         out[:, dst_roots] = np.where(pt < 0, NO_ROUTE, pt).T
     if src_roots.size:
+        graph = csr_matrix((w[r, c], (r, c)), shape=(k, k))
         _, pred = dijkstra(graph, directed=True, indices=src_roots, return_predecessors=True)
         out[src_roots, :] = _first_hops(np.asarray(pred, dtype=np.int64), src_roots)
     return out
