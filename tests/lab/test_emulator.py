@@ -1,0 +1,406 @@
+"""The underlay emulator with real packets between namespaces (root only).
+
+Tolerances come from the emulator's accuracy targets: ping RTT within
+max(0.5 ms, 3 %) of the configured RTT, TCP rate within 5 %, loss within ±1 point
+over 2,000 packets, a ``set`` visible within 100 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from meshopt.lab.emulator import (
+    EmulatorClient,
+    EmulatorError,
+    EmulatorSpec,
+    start_emulator,
+    stop_emulator,
+    validate_spec,
+)
+from meshopt.lab.netns import netns_exec, netns_run
+
+from .conftest import RUN_ID, Underlay, UnderlayFactory, need_tools
+
+pytestmark = pytest.mark.lab
+
+IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12: what the rate also carries
+
+
+@dataclass
+class PingResult:
+    transmitted: int
+    received: int
+    rtts: list[float]  # ms, in order of arrival
+    lines: list[str]
+
+
+def ping(
+    u: Underlay, src: int, dst: int | str, count: int, interval: float, *extra: str
+) -> PingResult:
+    need_tools("ping")
+    addr = u.addresses[dst] if isinstance(dst, int) else dst
+    # No -w: with a deadline, ping's -c counts replies and it keeps sending until then.
+    proc = netns_run(
+        u.ns(src),
+        ["ping", "-n", "-c", str(count), "-i", str(interval), "-W", "2", *extra, addr],
+        check=False,
+        timeout=count * interval + 20,
+    )
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", proc.stdout)
+    assert m, f"unexpected ping output: {proc.stdout!r} {proc.stderr!r}"
+    rtts = [float(x) for x in re.findall(r"time=([\d.]+) ms", proc.stdout)]
+    return PingResult(int(m[1]), int(m[2]), rtts, proc.stdout.splitlines())
+
+
+def reset(u: Underlay) -> None:
+    """Every pair back to no delay, no loss, no rate limit; every node up."""
+    n = len(u.netns)
+    pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
+    u.client.set(pairs, delay_ms=0.0, jitter_ms=0.0, loss=0.0, rate_mbit=None)
+    for i in range(n):
+        u.client.node_state(i, True)
+
+
+def pair_stats(u: Underlay, src: int, dst: int) -> dict[str, int]:
+    for p in u.client.stats()["pairs"]:
+        if p["src"] == src and p["dst"] == dst:
+            return {k: v for k, v in p.items() if k not in ("src", "dst")}
+    return {
+        "packets": 0,
+        "bytes": 0,
+        "drop_loss": 0,
+        "drop_queue": 0,
+        "drop_down": 0,
+        "drop_error": 0,
+    }
+
+
+def rtt_tolerance(rtt_ms: float) -> float:
+    return max(0.5, 0.03 * rtt_ms)
+
+
+# --- accuracy -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay_ms", [1.0, 10.0, 40.0])
+def test_ping_rtt_matches_configured_delay(shared_underlay: Underlay, delay_ms: float) -> None:
+    u = shared_underlay
+    reset(u)
+    # 0<->1 symmetric; 0->2 the same delay but 2->0 twice it: the matrix is per direction.
+    u.client.set([(0, 1), (1, 0), (0, 2)], delay_ms=delay_ms)
+    u.client.set([(2, 0)], delay_ms=2 * delay_ms)
+    for dst, expected in ((1, 2 * delay_ms), (2, 3 * delay_ms)):
+        result = ping(u, 0, dst, 50, 0.01)
+        assert result.received >= 45, result.lines[-3:]
+        median = statistics.median(result.rtts)
+        assert abs(median - expected) <= rtt_tolerance(expected), (dst, expected, median)
+
+
+def _iperf3(u: Underlay, src: int, dst: int, seconds: int = 3) -> dict[str, Any]:
+    need_tools("iperf3")
+    server = netns_exec(
+        u.ns(dst),
+        ["iperf3", "-s", "-1", "-B", u.addresses[dst]],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    u.children.append(server)
+    deadline = time.monotonic() + 5
+    while "5201" not in netns_run(u.ns(dst), ["ss", "-Hltn"]).stdout:
+        assert time.monotonic() < deadline, "iperf3 server did not start"
+        time.sleep(0.05)
+    proc = netns_run(
+        u.ns(src),
+        ["iperf3", "-c", u.addresses[dst], "-t", str(seconds), "-O", "1", "-J"],
+        check=False,
+        timeout=seconds + 30,
+    )
+    server.wait(10)
+    result: dict[str, Any] = json.loads(proc.stdout)
+    assert "error" not in result, result.get("error")
+    return result
+
+
+@pytest.mark.parametrize("rate_mbit", [20.0, 100.0])
+def test_tcp_throughput_matches_configured_rate(
+    shared_underlay: Underlay, rate_mbit: float
+) -> None:
+    u = shared_underlay
+    reset(u)
+    u.client.set([(0, 1), (1, 0)], delay_ms=5.0)
+    u.client.set([(0, 1)], rate_mbit=rate_mbit)
+    result = _iperf3(u, 0, 1)
+    goodput = result["end"]["sum_received"]["bits_per_second"]
+    # The rate limits IP packets; TCP payload is (MTU - 52) of every MTU bytes.
+    mtu = u.spec.mtu
+    expected = rate_mbit * 1e6 * (mtu - IP_TCP_HEADERS) / mtu
+    assert abs(goodput / expected - 1.0) <= 0.05, (goodput / 1e6, expected / 1e6)
+
+
+def test_loss_fraction_one_direction(shared_underlay: Underlay) -> None:
+    """5 % loss on 0->1 only, so ping's round-trip loss is the configured 5 %."""
+    u = shared_underlay
+    reset(u)
+    u.client.set([(0, 1), (1, 0)], delay_ms=1.0)
+    u.client.set([(0, 1)], loss=0.05)
+    before = pair_stats(u, 0, 1)
+    result = ping(u, 0, 1, 2000, 0.002, "-q")
+    after = pair_stats(u, 0, 1)
+    assert result.transmitted == 2000
+    lost = result.transmitted - result.received
+    assert abs(lost / result.transmitted - 0.05) <= 0.01, lost
+    # Every missing echo was dropped by the emulator's loss, nothing else. (A stray
+    # packet of an earlier test's TCP connection may cross the pair too: allow 2.)
+    assert lost <= after["drop_loss"] - before["drop_loss"] <= lost + 2
+    assert result.received <= after["packets"] - before["packets"] <= result.received + 2
+    assert pair_stats(u, 1, 0)["drop_loss"] == 0
+
+
+def test_set_takes_effect_within_100ms(shared_underlay: Underlay) -> None:
+    u = shared_underlay
+    reset(u)
+    old, new = 20.0, 5.0  # one-way; RTT 40 ms -> 10 ms
+    u.client.set([(0, 1), (1, 0)], delay_ms=old)
+    need_tools("ping")
+    proc = netns_exec(
+        u.ns(0),
+        ["ping", "-n", "-D", "-i", "0.005", "-c", "200", "-W", "2", u.addresses[1]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    u.children.append(proc)
+    time.sleep(0.4)
+    t_change = time.time()
+    u.client.set([(0, 1), (1, 0)], delay_ms=new)
+    out, err = proc.communicate(timeout=20)
+    replies = [
+        (float(m[1]), float(m[2]))
+        for m in re.finditer(r"^\[([\d.]+)\].*time=([\d.]+) ms", out, re.MULTILINE)
+    ]
+    assert len(replies) > 150, err
+    before = [rtt for ts, rtt in replies if ts < t_change]
+    assert abs(statistics.median(before) - 2 * old) <= rtt_tolerance(2 * old)
+    fresh = [ts for ts, rtt in replies if ts > t_change and abs(rtt - 2 * new) <= 1.0]
+    assert fresh, "no reply with the new RTT"
+    assert fresh[0] - t_change <= 0.100 + 2 * new / 1000, fresh[0] - t_change
+    # Echoes sent well after the change all see the new delay (median: tolerate a VM hiccup).
+    later = [rtt for ts, rtt in replies if ts - rtt / 1000 > t_change + 0.05]
+    assert abs(statistics.median(later) - 2 * new) <= rtt_tolerance(2 * new)
+
+
+def test_node_down_drops_both_ways_and_up_restores(shared_underlay: Underlay) -> None:
+    u = shared_underlay
+    reset(u)
+    assert ping(u, 0, 1, 5, 0.01).received == 5
+    u.client.node_state(1, False)
+    before = (pair_stats(u, 0, 1)["drop_down"], pair_stats(u, 1, 0)["drop_down"])
+    assert ping(u, 0, 1, 10, 0.01).received == 0
+    assert ping(u, 1, 0, 10, 0.01).received == 0
+    assert ping(u, 0, 2, 10, 0.01).received == 10  # the other nodes are unaffected
+    after = (pair_stats(u, 0, 1)["drop_down"], pair_stats(u, 1, 0)["drop_down"])
+    assert after[0] - before[0] >= 10  # 0's echo requests
+    assert after[1] - before[1] >= 10  # 1's echo requests
+    assert u.client.params()["up"] == [True, False, True]
+    u.client.node_state("n1", True)
+    assert ping(u, 0, 1, 10, 0.01).received == 10
+
+
+def test_counters_and_unknown_destinations(shared_underlay: Underlay) -> None:
+    u = shared_underlay
+    reset(u)
+    before = pair_stats(u, 0, 2)
+    unknown_before = u.client.stats()["nodes"][0]["unknown"]
+    assert ping(u, 0, 2, 10, 0.01).received == 10
+    after = pair_stats(u, 0, 2)
+    assert after["packets"] - before["packets"] == 10
+    assert after["bytes"] - before["bytes"] == 10 * 84  # 20 IP + 8 ICMP + 56 data
+    # An address inside the lab's prefix that no node has: dropped and counted.
+    assert ping(u, 0, "172.31.0.99", 5, 0.01).received == 0
+    assert u.client.stats()["nodes"][0]["unknown"] - unknown_before == 5
+
+
+def test_bad_control_requests_get_errors_and_change_nothing(shared_underlay: Underlay) -> None:
+    u = shared_underlay
+    reset(u)
+    u.client.set([(0, 1)], delay_ms=3.0)
+    bad = [
+        b"{",
+        b"[]",
+        b"\xff\xfe",
+        b'{"op": "nope"}',
+        b'{"op": "set", "pairs": [[0, 1]], "delay_ms": -1}',
+        b'{"op": "set", "pairs": [[0, 1]], "loss": 1.5}',
+        b'{"op": "set", "pairs": [[0, 1]], "rate_mbit": 0}',
+        b'{"op": "set", "pairs": [[0, 1], [0, 9]], "delay_ms": 7}',
+        b'{"op": "set", "pairs": [[0, 0]], "delay_ms": 7}',
+        b'{"op": "set", "pairs": [], "delay_ms": 7}',
+        b'{"op": "set", "pairs": [[0, 1]], "delay": 7}',
+        b'{"op": "node", "node": "nobody", "up": false}',
+        b'{"op": "node", "node": 0, "up": "no"}',
+    ]
+    for line in bad:
+        with pytest.raises(EmulatorError):
+            u.client.request_raw(line)
+    assert u.client.ping()["lab"] == u.lab
+    params = u.client.params()
+    assert params["delay_ms"][0][1] == 3.0  # the half-valid set was refused as a whole
+    assert params["up"] == [True, True, True]
+    # A second client works concurrently with the first.
+    with EmulatorClient(u.spec.control) as other:
+        assert other.ping()["ok"]
+        other.set([("n0", "n2")], jitter_ms=0.5, rate_mbit=50)
+    assert u.client.params()["jitter_ms"][0][2] == 0.5
+    assert u.client.params()["rate_mbit"][0][2] == 50
+
+
+# --- life cycle -----------------------------------------------------------------
+
+
+def _links(netns: str) -> str:
+    return netns_run(netns, ["ip", "-o", "link", "show"]).stdout
+
+
+def test_sigterm_exits_cleanly_and_removes_devices(underlay_factory: UnderlayFactory) -> None:
+    u = underlay_factory(2, delay_ms=1.0)
+    environ = Path(f"/proc/{u.proc.pid}/environ").read_bytes().split(b"\0")
+    assert f"MESHOPT_LAB={u.lab}".encode() in environ
+    for ns, ifname in zip(u.netns, u.ifnames, strict=True):
+        assert ifname in _links(ns)
+        assert u.lab in ifname and u.lab in ns
+    assert os.path.exists(u.spec.control)
+    u.client.close()
+    assert stop_emulator(u.proc) == 0
+    for ns, ifname in zip(u.netns, u.ifnames, strict=True):
+        assert ifname not in _links(ns)
+    assert not os.path.exists(u.spec.control)
+
+
+def test_crash_leaves_no_devices_and_restart_works(underlay_factory: UnderlayFactory) -> None:
+    u = underlay_factory(2, delay_ms=1.0)
+    u.client.close()
+    os.kill(u.proc.pid, signal.SIGKILL)  # our own emulator, by PID
+    u.proc.wait(10)
+    for ns, ifname in zip(u.netns, u.ifnames, strict=True):
+        assert ifname not in _links(ns)
+    # The stale control socket does not stop a new emulator of the same lab.
+    u.proc = start_emulator(u.spec_path)
+    assert ping(u, 0, 1, 5, 0.01).received == 5
+
+
+def test_start_failure_reports_stderr(tmp_path: Path) -> None:
+    spec = {
+        "lab": f"x{RUN_ID}",
+        "control": f"/run/meshopt/x{RUN_ID}/emu.sock",
+        "nodes": [
+            {
+                "name": "a",
+                "netns": f"mox{RUN_ID}missing",
+                "ifname": f"mox{RUN_ID}u0",
+                "address": "172.31.0.1/16",
+            }
+        ],
+        "delay_ms": [[0]],
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    with pytest.raises(EmulatorError, match="does not exist"):
+        start_emulator(path, timeout=10)
+    assert not os.path.exists(f"/run/meshopt/x{RUN_ID}")
+
+
+# --- spec validation (no root needed) ----------------------------------------------
+
+
+def _good_spec(lab: str) -> dict[str, Any]:
+    return {
+        "lab": lab,
+        "control": f"/tmp/meshopt-{lab}/emu.sock",
+        "nodes": [
+            {
+                "name": "a",
+                "netns": f"mo{lab}n0",
+                "ifname": f"mo{lab}u0",
+                "address": "172.31.0.1/16",
+            },
+            {
+                "name": "b",
+                "netns": f"mo{lab}n1",
+                "ifname": f"mo{lab}u1",
+                "address": "172.31.0.2/16",
+            },
+        ],
+        "delay_ms": [[0, 1], [1, 0]],
+        "rate_mbit": [[None, 10], [None, None]],
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"lab": "bad lab"}, "lab id"),
+        ({"delay_ms": [[0, 1]]}, "2x2 matrix"),
+        ({"delay_ms": [[0, -1], [1, 0]]}, "delay_ms must be"),
+        ({"loss": [[0, 2], [0, 0]]}, "loss must be"),
+        ({"rate_mbit": [[None, 0], [None, None]]}, "rate_mbit must be"),
+        ({"delay_ms": [[0, "x"], [1, 0]]}, "Expected `float`"),
+        ({"mtu": 10}, "mtu"),
+        ({"control": "relative/emu.sock"}, "absolute path"),
+        ({"surprise": 1}, "unknown field"),
+        ({"nodes": []}, "at least one node"),
+        ({"nodes@0": {"ifname": "averyveryverylongname"}}, "1..15 bytes"),
+        ({"nodes@0": {"ifname": "mou0"}}, "must contain the lab id"),
+        ({"nodes@1": {"address": "172.31.0.1/16"}}, "used twice"),
+        ({"nodes@1": {"address": "172.31.0.300/16"}}, "not an address"),
+        ({"nodes@1": {"address": "172.31.0.2"}}, "prefix length"),
+        ({"nodes@1": {"name": "a"}}, "used twice"),
+        ({}, "does not exist"),  # the namespaces are not there
+    ],
+)
+def test_bad_spec_exits_2_with_one_line(
+    tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    lab = f"v{RUN_ID}"
+    spec = _good_spec(lab)
+    for key, value in change.items():
+        if key.startswith("nodes@"):
+            spec["nodes"][int(key[6:])].update(value)
+        else:
+            spec[key] = value
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshopt.lab.emulator", "--spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={k: v for k, v in os.environ.items() if k != "MESHOPT_LAB"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("emulator: bad spec:"), proc.stderr
+    assert message in lines[0]
+    assert not os.path.exists(f"/tmp/meshopt-{lab}")
+
+
+def test_good_spec_validates() -> None:
+    spec = msgspec.convert(_good_spec("ok1"), EmulatorSpec)
+    validate_spec(spec, check_system=False)
+    assert spec.pair_params(0, 1).rate_mbit == 10.0
+    assert math.isinf(spec.pair_params(1, 0).rate_mbit)
+    assert spec.pair_params(0, 1).loss == 0.0
