@@ -24,7 +24,8 @@ Spec (JSON; ``EmulatorSpec``)::
 Matrices are n×n, row = sender, column = receiver; the diagonal is ignored; ``null``
 rate means unlimited; ``jitter_ms``, ``loss`` and ``rate_mbit`` may be omitted (0, 0,
 unlimited). Optional: ``address6`` per node, ``txqueuelen`` (1000), ``queue_ms`` (50)
-and ``queue_min_bytes`` (65536) for the rate queues. The lab id must appear in every
+and ``queue_min_bytes`` (65536) for the rate queues, ``nice`` (-10: the network should
+not wait behind the endpoints it carries). The lab id must appear in every
 namespace name, interface name and in the control socket path, so that whatever this
 process touches is visibly the lab's.
 
@@ -95,6 +96,9 @@ BATCH = 64  # packets read from one TUN before timers and other TUNs get a turn
 PRE_WAKE_S = 300e-6
 EARLY_S = 40e-6
 IDLE_POLL_S = 1.0
+# Packets waiting in the emulator across all pairs (~150 MB of 1500-byte packets): a
+# safety net against a flood into a long unlimited-rate delay, counted as queue drops.
+MAX_QUEUED = 100_000
 MAX_REQUEST_BYTES = 1 << 20
 
 
@@ -130,6 +134,9 @@ class EmulatorSpec(msgspec.Struct, forbid_unknown_fields=True):
     txqueuelen: int = 1000
     queue_ms: float = DEFAULT_QUEUE_MS
     queue_min_bytes: int = DEFAULT_QUEUE_MIN_BYTES
+    # The emulator is the lab's network: it should not queue behind the endpoints it
+    # serves. At nice -10 one TCP pair ran at ~1.4 Gbit/s here instead of ~0.85.
+    nice: int = -10
 
     @property
     def n(self) -> int:
@@ -172,6 +179,8 @@ def validate_spec(spec: EmulatorSpec, *, check_system: bool = True) -> None:
         raise SpecError(f"txqueuelen {spec.txqueuelen} out of range 1..100000")
     if not (math.isfinite(spec.queue_ms) and spec.queue_ms > 0) or spec.queue_min_bytes < 65535:
         raise SpecError("queue_ms must be > 0 and queue_min_bytes >= 65535 (one packet)")
+    if not -20 <= spec.nice <= 19:
+        raise SpecError(f"nice {spec.nice} out of range -20..19")
     control = spec.control
     if not os.path.isabs(control) or len(control.encode()) > SUN_PATH_MAX:
         raise SpecError(f"control {control!r} must be an absolute path of <= {SUN_PATH_MAX} bytes")
@@ -508,6 +517,9 @@ class Emulator:
                 continue
             when = shaper.schedule(mono(), len(pkt))
             if when is not None:
+                if len(heap) >= MAX_QUEUED:
+                    shaper.drop_queue += 1
+                    continue
                 push(heap, (when, next(seq), fds[j], pkt, shaper, j))
         if unknown:
             self.unknown[i] += unknown
@@ -746,6 +758,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.check:
         return 0
+    if spec.nice:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, spec.nice)
+        except OSError as exc:
+            print(f"emulator: cannot set nice {spec.nice}: {exc}", file=sys.stderr)
     emu = Emulator(spec)
     try:
         emu.install_signal_handlers()

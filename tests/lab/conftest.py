@@ -114,6 +114,7 @@ class Underlay:
     netns: list[str]
     addresses: list[str]  # without prefix length
     ifnames: list[str]
+    addresses6: list[str] = field(default_factory=list)
     children: list[subprocess.Popen[Any]] = field(default_factory=list)
 
     def ns(self, i: int) -> str:
@@ -143,19 +144,25 @@ class UnderlayFactory:
         rate_mbit: float | Matrix | None = None,
         seed: int = 1,
         mtu: int = 1500,
+        ipv6: bool = False,
     ) -> Underlay:
         lab = new_lab_id()
         netns = self._make_netns(lab, n)
         run_dir = RUN_ROOT / lab
         run_dir.mkdir(parents=True, mode=0o700)
         addresses = [f"172.31.0.{i + 1}" for i in range(n)]
+        addresses6 = [f"fd00:31::{i + 1}" for i in range(n)] if ipv6 else []
         ifnames = [tun_name(lab, i) for i in range(n)]
         spec = EmulatorSpec(
             lab=lab,
             control=str(run_dir / "emu.sock"),
             nodes=[
                 NodeSpec(
-                    name=f"n{i}", netns=netns[i], ifname=ifnames[i], address=f"{addresses[i]}/16"
+                    name=f"n{i}",
+                    netns=netns[i],
+                    ifname=ifnames[i],
+                    address=f"{addresses[i]}/16",
+                    address6=f"{addresses6[i]}/64" if ipv6 else None,
                 )
                 for i in range(n)
             ],
@@ -182,6 +189,7 @@ class UnderlayFactory:
             netns=netns,
             addresses=addresses,
             ifnames=ifnames,
+            addresses6=addresses6,
         )
         self._made.append(underlay)
         return underlay
