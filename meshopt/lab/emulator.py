@@ -312,6 +312,12 @@ def _set_timer_slack_ns(ns: int) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when our parent (thread) exits."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 @dataclass
 class _Conn:
     sock: socket.socket
@@ -747,7 +753,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--check", action="store_true", help="validate the spec and exit (creates nothing)"
     )
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        help="exit (SIGTERM) when this process, our parent, dies: no orphaned emulators",
+    )
     args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        _die_with_parent()
+        if os.getppid() != args.parent_pid:  # the parent died before prctl took effect
+            print("emulator: parent exited before start-up", file=sys.stderr)
+            return 1
     try:
         spec = load_spec(args.spec)
         tag = os.environ.get("MESHOPT_LAB")
@@ -795,22 +811,21 @@ def start_emulator(
     the current one). Its stderr goes to ``log_path`` (default: the spec path with
     ``.log``), so a chatty emulator can never block on a full pipe. With
     ``die_with_parent`` the kernel sends it SIGTERM if the caller dies, so a crashed
-    test run cannot leave it (and its TUNs) behind. On failure or timeout the process is
-    ended and EmulatorError carries its stderr.
+    test run cannot leave it (and its TUNs) behind; Linux ties this to the *thread*
+    that started it, so call this from a thread that lives as long as the lab (or pass
+    False). On failure or timeout the process is ended and EmulatorError carries its
+    stderr; a bad spec raises SpecError before anything starts.
     """
     spec_path = Path(spec_path)
     spec = load_spec(spec_path, check_system=False)
     log = Path(log_path) if log_path is not None else spec_path.with_suffix(".log")
     full_env = {**os.environ, **(env or {}), "MESHOPT_LAB": spec.lab}
-    preexec = _die_with_parent if die_with_parent else None
+    argv = [sys.executable, "-m", "meshopt.lab.emulator", "--spec", str(spec_path)]
+    if die_with_parent:
+        argv += ["--parent-pid", str(os.getpid())]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshopt.lab.emulator", "--spec", str(spec_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            env=full_env,
-            preexec_fn=preexec,
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file, env=full_env
         )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
@@ -838,11 +853,6 @@ def start_emulator(
     raise EmulatorError(
         f"emulator for lab {spec.lab} {reason} (status {proc.returncode}): {err or 'no stderr'}"
     )
-
-
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def stop_emulator(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:

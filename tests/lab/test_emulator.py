@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +28,16 @@ from meshopt.lab.emulator import (
     EmulatorClient,
     EmulatorError,
     EmulatorSpec,
+    NodeSpec,
     start_emulator,
     stop_emulator,
+    tun_name,
     validate_spec,
+    write_spec,
 )
 from meshopt.lab.netns import netns_exec, netns_run
 
-from .conftest import RUN_ID, Underlay, UnderlayFactory, need_tools
+from .conftest import RUN_ID, Underlay, UnderlayFactory, need_tools, new_lab_id
 
 pytestmark = pytest.mark.lab
 
@@ -319,6 +323,67 @@ def test_crash_leaves_no_devices_and_restart_works(underlay_factory: UnderlayFac
     # The stale control socket does not stop a new emulator of the same lab.
     u.proc = start_emulator(u.spec_path)
     assert ping(u, 0, 1, 5, 0.01).received == 5
+
+
+def test_emulator_dies_with_its_launcher(
+    make_netns: Callable[[str, int], list[str]], tmp_path: Path
+) -> None:
+    """A launcher killed with SIGKILL (a crashed test run) leaves no emulator behind."""
+    lab = new_lab_id()
+    netns = make_netns(lab, 2)
+    spec = EmulatorSpec(
+        lab=lab,
+        control=str(tmp_path / lab / "emu.sock"),
+        nodes=[
+            NodeSpec(
+                name=f"n{i}",
+                netns=netns[i],
+                ifname=tun_name(lab, i),
+                address=f"172.31.0.{i + 1}/16",
+            )
+            for i in range(2)
+        ],
+        delay_ms=[[0, 1], [1, 0]],
+    )
+    spec_path = tmp_path / "emu.json"
+    write_spec(spec, spec_path)
+    launcher_code = (
+        "import sys, time\n"
+        "from meshopt.lab.emulator import start_emulator\n"
+        "p = start_emulator(sys.argv[1])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", launcher_code, str(spec_path)], stdout=subprocess.PIPE, text=True
+    )
+    emulator_pid = None
+    try:
+        assert launcher.stdout is not None
+        emulator_pid = int(launcher.stdout.readline())
+        assert tun_name(lab, 0) in _links(netns[0])
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _alive(emulator_pid):
+            assert time.monotonic() < deadline, "the emulator outlived its launcher"
+            time.sleep(0.05)
+        assert tun_name(lab, 0) not in _links(netns[0])
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if emulator_pid is not None and _alive(emulator_pid):
+            os.kill(emulator_pid, signal.SIGKILL)  # ours (started by our launcher), by PID
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_start_failure_reports_stderr(tmp_path: Path) -> None:
