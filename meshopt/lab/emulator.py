@@ -25,7 +25,8 @@ Matrices are n×n, row = sender, column = receiver; the diagonal is ignored; ``n
 rate means unlimited; ``jitter_ms``, ``loss`` and ``rate_mbit`` may be omitted (0, 0,
 unlimited). Optional: ``address6`` per node, ``txqueuelen`` (1000), ``queue_ms`` (50)
 and ``queue_min_bytes`` (65536) for the rate queues, ``nice`` (-10: the network should
-not wait behind the endpoints it carries). The lab id must appear in every
+not wait behind the endpoints it carries), ``read_latency_us`` (60: the emulator's own
+per-hop latency, taken off the configured delay). The lab id must appear in every
 namespace name, interface name and in the control socket path, so that whatever this
 process touches is visibly the lab's.
 
@@ -137,6 +138,10 @@ class EmulatorSpec(msgspec.Struct, forbid_unknown_fields=True):
     # The emulator is the lab's network: it should not queue behind the endpoints it
     # serves. At nice -10 one TCP pair ran at ~1.4 Gbit/s here instead of ~0.85.
     nice: int = -10
+    # How long before our read() a packet typically entered its TUN (wake-up and
+    # hand-over). Its arrival time is taken as read time minus this, so the configured
+    # delay is what the endpoints observe, not delay + the emulator's own latency.
+    read_latency_us: float = 60.0
 
     @property
     def n(self) -> int:
@@ -179,6 +184,8 @@ def validate_spec(spec: EmulatorSpec, *, check_system: bool = True) -> None:
         raise SpecError(f"txqueuelen {spec.txqueuelen} out of range 1..100000")
     if not (math.isfinite(spec.queue_ms) and spec.queue_ms > 0) or spec.queue_min_bytes < 65535:
         raise SpecError("queue_ms must be > 0 and queue_min_bytes >= 65535 (one packet)")
+    if not 0.0 <= spec.read_latency_us <= 10_000.0:
+        raise SpecError(f"read_latency_us {spec.read_latency_us} out of range 0..10000")
     if not -20 <= spec.nice <= 19:
         raise SpecError(f"nice {spec.nice} out of range -20..19")
     control = spec.control
@@ -350,6 +357,7 @@ class Emulator:
                 self.addr_to_node[ipaddress.ip_interface(text).ip.packed] = i
         self.up = [True] * n
         self.unknown = [0] * n
+        self.read_latency_s = spec.read_latency_us / 1e6
         self.fds: list[int] = []
         self._fd_node: dict[int, int] = {}
         self._heap: list[tuple[float, int, int, bytes, PairShaper, int]] = []
@@ -498,6 +506,7 @@ class Emulator:
         seq = self._seq
         mono = time.monotonic
         src_up = up[i]
+        read_latency = self.read_latency_s
         unknown = 0
         for _ in range(BATCH):
             try:
@@ -521,7 +530,7 @@ class Emulator:
             if not (src_up and up[j]):
                 shaper.drop_down += 1
                 continue
-            when = shaper.schedule(mono(), len(pkt))
+            when = shaper.schedule(mono() - read_latency, len(pkt))
             if when is not None:
                 if len(heap) >= MAX_QUEUED:
                     shaper.drop_queue += 1
