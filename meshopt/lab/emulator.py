@@ -374,8 +374,11 @@ class Emulator:
         self._handlers: dict[int, Callable[[int], None]] = {}
         self._listener: socket.socket | None = None
         self._conns: dict[int, _Conn] = {}
-        self._wakeup_r = -1
-        self._wakeup_w = -1
+        # Wakes the loop for stop() and for signals (signal.set_wakeup_fd).
+        self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._ep.register(self._wakeup_r, select.EPOLLIN)
+        self._handlers[self._wakeup_r] = self._on_wakeup
+        self._signals = False
         self._stop = False
         self._started = time.monotonic()
         self.lag_count = 0
@@ -389,24 +392,42 @@ class Emulator:
         from meshopt.lab.tun import configure_in_netns, iproute, move_to_netns, open_tun
 
         spec = self.spec
-        with iproute() as ipr:
-            for i, node in enumerate(spec.nodes):
-                if ipr.link_lookup(ifname=node.ifname):
-                    raise EmulatorError(f"interface {node.ifname} exists already")
-                fd = open_tun(node.ifname)
-                self.fds.append(fd)
-                self._fd_node[fd] = i
-                move_to_netns(ipr, node.ifname, node.netns)
-                configure_in_netns(
-                    node.netns,
-                    node.ifname,
-                    spec.addresses(i),
-                    mtu=spec.mtu,
-                    txqueuelen=spec.txqueuelen,
-                )
-        for fd in self.fds:
-            self._ep.register(fd, select.EPOLLIN)
+        fds: list[int] = []
+        try:
+            with iproute() as ipr:
+                for i, node in enumerate(spec.nodes):
+                    if ipr.link_lookup(ifname=node.ifname):
+                        raise EmulatorError(f"interface {node.ifname} exists already")
+                    fds.append(open_tun(node.ifname))
+                    move_to_netns(ipr, node.ifname, node.netns)
+                    configure_in_netns(
+                        node.netns,
+                        node.ifname,
+                        spec.addresses(i),
+                        mtu=spec.mtu,
+                        txqueuelen=spec.txqueuelen,
+                    )
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.attach_devices(fds)
         self._listen(spec.control)
+
+    def attach_devices(self, fds: Sequence[int]) -> None:
+        """Use ``fds[i]`` as node i's device: one packet per read() and per write().
+
+        ``setup()`` passes TUNs; tests pass SOCK_SEQPACKET socket pairs, which keep
+        packet boundaries the same way, to run the loop without root. The emulator owns
+        the descriptors from now on and closes them in ``close()``.
+        """
+        if len(fds) != len(self.names):
+            raise ValueError(f"{len(fds)} devices for {len(self.names)} nodes")
+        for i, fd in enumerate(fds):
+            os.set_blocking(fd, False)
+            self.fds.append(fd)
+            self._fd_node[fd] = i
+            self._ep.register(fd, select.EPOLLIN)
 
     def _listen(self, path: str) -> None:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
@@ -430,11 +451,9 @@ class Emulator:
         self._handlers[sock.fileno()] = self._accept
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM and SIGINT end the loop cleanly (they wake it through a pipe)."""
-        self._wakeup_r, self._wakeup_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        """SIGTERM and SIGINT end the loop cleanly (main thread only)."""
         signal.set_wakeup_fd(self._wakeup_w, warn_on_full_buffer=False)
-        self._ep.register(self._wakeup_r, select.EPOLLIN)
-        self._handlers[self._wakeup_r] = self._on_wakeup
+        self._signals = True
 
         def stop(signum: int, frame: FrameType | None) -> None:
             self._stop = True
@@ -447,7 +466,10 @@ class Emulator:
             os.read(self._wakeup_r, 512)
 
     def stop(self) -> None:
+        """End ``run()`` soon; callable from another thread."""
         self._stop = True
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wakeup_w, b"\0")
 
     @property
     def stopping(self) -> bool:
@@ -468,7 +490,8 @@ class Emulator:
                 os.close(fd)
         self.fds = []
         if self._wakeup_w >= 0:
-            signal.set_wakeup_fd(-1)
+            if self._signals:
+                signal.set_wakeup_fd(-1)
             os.close(self._wakeup_r)
             os.close(self._wakeup_w)
             self._wakeup_r = self._wakeup_w = -1

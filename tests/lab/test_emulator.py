@@ -7,16 +7,19 @@ over 2,000 packets, a ``set`` visible within 100 ms.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,7 @@ import msgspec
 import pytest
 
 from meshopt.lab.emulator import (
+    Emulator,
     EmulatorClient,
     EmulatorError,
     EmulatorSpec,
@@ -488,3 +492,96 @@ def test_good_spec_validates() -> None:
     assert spec.pair_params(0, 1).rate_mbit == 10.0
     assert math.isinf(spec.pair_params(1, 0).rate_mbit)
     assert spec.pair_params(0, 1).loss == 0.0
+
+
+# --- the forwarding loop over socket pairs (no root needed) ------------------------------
+
+
+def _ipv4(src: str, dst: str, payload: bytes = b"x" * 20) -> bytes:
+    """A minimal IPv4 packet: the emulator only reads the version and the addresses."""
+    header = bytes([0x45, 0]) + (20 + len(payload)).to_bytes(2, "big") + bytes(8)
+    return header + ipaddress.ip_address(src).packed + ipaddress.ip_address(dst).packed + payload
+
+
+@pytest.fixture
+def loop_emulator() -> Iterator[tuple[Emulator, list[socket.socket]]]:
+    """An Emulator whose nodes are SOCK_SEQPACKET pairs, its loop in a thread."""
+    spec = msgspec.convert(_good_spec("loop1"), EmulatorSpec)
+    spec.nodes.append(
+        NodeSpec(name="c", netns="moloop1n2", ifname="moloop1u2", address="172.31.0.3/16")
+    )
+    spec.delay_ms = [[0, 20, 0], [20, 0, 0], [0, 0, 0]]
+    spec.rate_mbit = None
+    validate_spec(spec, check_system=False)
+    emu = Emulator(spec)
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    emu.attach_devices([theirs.detach() for _, theirs in pairs])
+    ours = [mine for mine, _ in pairs]
+    for sock in ours:
+        sock.settimeout(2.0)
+    thread = threading.Thread(target=emu.run, daemon=True)
+    thread.start()
+    try:
+        yield emu, ours
+    finally:
+        emu.stop()
+        thread.join(5)
+        assert not thread.is_alive(), "stop() did not end the loop"
+        emu.close()
+        for sock in ours:
+            sock.close()
+
+
+def test_loop_forwards_by_destination_with_delay(
+    loop_emulator: tuple[Emulator, list[socket.socket]],
+) -> None:
+    emu, nodes = loop_emulator
+    to_b = _ipv4("172.31.0.1", "172.31.0.2")
+    to_c = _ipv4("172.31.0.1", "172.31.0.3")
+    t0 = time.monotonic()
+    nodes[0].send(to_b)
+    nodes[0].send(to_c)
+    assert nodes[2].recv(2048) == to_c
+    t_c = time.monotonic() - t0
+    assert nodes[1].recv(2048) == to_b
+    t_b = time.monotonic() - t0
+    assert t_c < 0.015  # no delay configured (generous: a loaded VM)
+    assert 0.019 <= t_b < 0.040  # 20 ms, less the 60 µs read-latency allowance
+    stats = emu.stats()
+    assert stats["totals"]["packets"] == 2
+    assert {(p["src"], p["dst"]) for p in stats["pairs"]} == {(0, 1), (0, 2)}
+
+
+def test_loop_drops_unknown_and_down(loop_emulator: tuple[Emulator, list[socket.socket]]) -> None:
+    emu, nodes = loop_emulator
+    nodes[0].send(_ipv4("172.31.0.1", "172.31.0.99"))  # nobody's
+    nodes[0].send(b"\x00garbage")  # not IP at all
+    assert emu.handle_request(b'{"op": "node", "node": "c", "up": false}')["ok"]
+    nodes[0].send(_ipv4("172.31.0.1", "172.31.0.3"))
+    nodes[2].send(_ipv4("172.31.0.3", "172.31.0.1"))
+    time.sleep(0.1)
+    assert emu.handle_request(b'{"op": "node", "node": 2, "up": true}')["ok"]
+    nodes[0].send(_ipv4("172.31.0.1", "172.31.0.3", b"after"))
+    assert nodes[2].recv(2048).endswith(b"after")  # the dropped packet never came
+    stats = emu.stats()
+    assert stats["nodes"][0]["unknown"] == 2
+    down = {(p["src"], p["dst"]): p["drop_down"] for p in stats["pairs"]}
+    assert down[(0, 2)] == 1 and down[(2, 0)] == 1
+
+
+def test_loop_applies_set_to_the_next_packet(
+    loop_emulator: tuple[Emulator, list[socket.socket]],
+) -> None:
+    emu, nodes = loop_emulator
+    reply = emu.handle_request(b'{"op": "set", "pairs": [["a", "c"]], "delay_ms": 30}')
+    assert reply == {"ok": True, "pairs": 1}
+    t0 = time.monotonic()
+    nodes[0].send(_ipv4("172.31.0.1", "172.31.0.3"))
+    nodes[2].recv(2048)
+    assert 0.029 <= time.monotonic() - t0 < 0.050
+    assert emu.handle_request(b'{"op": "set", "pairs": [[0, 2]], "loss": 1.0}')["ok"]
+    nodes[0].send(_ipv4("172.31.0.1", "172.31.0.3"))
+    nodes[2].settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        nodes[2].recv(2048)
+    assert emu.stats()["totals"]["drop_loss"] == 1
