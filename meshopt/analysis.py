@@ -6,6 +6,7 @@ Pure: a topology and a metric in, plain data out. The CLI's ``path``,
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,7 +72,7 @@ def path_info(p: Plan, a: str, b: str) -> PathInfo:
     names = p.topo.names
     hops = [
         Hop(names[x], names[y], float(p.rtt[x, y]), float(p.link_cost[x, y]))
-        for x, y in zip(idx, idx[1:], strict=False)
+        for x, y in itertools.pairwise(idx)
     ]
     return PathInfo(
         src=a,

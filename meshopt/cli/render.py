@@ -49,7 +49,7 @@ def render_routes(c: Console, node: str, entries: list[RouteEntry]) -> None:
         relayed = e.next_hop is not None and e.next_hop != e.dst
         t.add_row(
             e.dst,
-            ("[bold yellow]" + e.next_hop + "[/]" if relayed else e.next_hop) or "-",
+            f"[bold yellow]{e.next_hop}[/]" if relayed else (e.next_hop or "-"),
             e.backup or "-",
             format_ms(e.rtt_ms),
             format_ms(e.direct_rtt_ms),

@@ -77,7 +77,8 @@ class SimReport:
         d["gains"]["top"] = [
             {**asdict(g), "gain_ms": g.gain_ms} for g in self.gains.top
         ]  # asdict drops properties
-        return json_safe(d)
+        out: dict[str, Any] = json_safe(d)
+        return out
 
 
 def json_safe(obj: Any) -> Any:
