@@ -386,21 +386,6 @@ def _topology(
     loss: FloatMatrix | None = None,
     tunnels: BoolMatrix | None = None,
 ) -> Topology:
-    n = len(nodes)
-    delay = np.asarray(delay, dtype=np.float64)
-    jitter = np.zeros((n, n)) if jitter is None else jitter
-    loss = np.zeros((n, n)) if loss is None else loss
-    for m in (delay, jitter, loss):
-        np.fill_diagonal(m, 0.0)
-    if tunnels is None:
-        tunnels = ~np.eye(n, dtype=bool)
-    return Topology(
-        name=name,
-        nodes=nodes,
-        delay_ms=delay,
-        jitter_ms=jitter,
-        loss=loss,
-        rate_mbit=np.full((n, n), math.inf),
-        tunnels=tunnels,
-        source=f"<generator {name}>",
+    return Topology.from_matrices(
+        name, nodes, delay, source=f"<generator {name}>", jitter=jitter, loss=loss, tunnels=tunnels
     )

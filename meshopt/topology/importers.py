@@ -477,19 +477,6 @@ def _topology(
     loss: FloatMatrix | None = None,
     tunnels: Any = None,
 ) -> Topology:
-    n = len(nodes)
-    delay = np.array(delay, dtype=np.float64)
-    jitter = np.zeros((n, n)) if jitter is None else np.array(jitter, dtype=np.float64)
-    loss = np.zeros((n, n)) if loss is None else np.array(loss, dtype=np.float64)
-    for m in (delay, jitter, loss):
-        np.fill_diagonal(m, 0.0)
-    return Topology(
-        name=name,
-        nodes=nodes,
-        delay_ms=delay,
-        jitter_ms=jitter,
-        loss=loss,
-        rate_mbit=np.full((n, n), math.inf),
-        tunnels=~np.eye(n, dtype=bool) if tunnels is None else np.array(tunnels, dtype=bool),
-        source=source,
+    return Topology.from_matrices(
+        name, nodes, delay, source=source, jitter=jitter, loss=loss, tunnels=tunnels
     )

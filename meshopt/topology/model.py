@@ -99,6 +99,36 @@ class Topology:
         topo.__post_init__()
         return topo
 
+    @classmethod
+    def from_matrices(
+        cls,
+        name: str,
+        nodes: list[Node],
+        delay: FloatMatrix,
+        *,
+        source: str,
+        jitter: FloatMatrix | None = None,
+        loss: FloatMatrix | None = None,
+        tunnels: BoolMatrix | None = None,
+    ) -> Topology:
+        """Build from one-way delays (and optional jitter/loss); unlimited rate, full mesh."""
+        n = len(nodes)
+        delay = np.array(delay, dtype=np.float64)
+        jitter = np.zeros((n, n)) if jitter is None else np.array(jitter, dtype=np.float64)
+        loss = np.zeros((n, n)) if loss is None else np.array(loss, dtype=np.float64)
+        for m in (delay, jitter, loss):
+            np.fill_diagonal(m, 0.0)
+        return cls(
+            name=name,
+            nodes=nodes,
+            delay_ms=delay,
+            jitter_ms=jitter,
+            loss=loss,
+            rate_mbit=np.full((n, n), np.inf),
+            tunnels=~np.eye(n, dtype=bool) if tunnels is None else np.array(tunnels, dtype=bool),
+            source=source,
+        )
+
     # --- lookups -----------------------------------------------------------------
     @property
     def n(self) -> int:
