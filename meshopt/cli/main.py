@@ -8,6 +8,7 @@ import click
 
 from meshopt import __version__
 from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
+from meshopt.cli.lab_cmd import lab_group
 from meshopt.cli.sim_cmd import sim_cmd
 from meshopt.cli.topology_cmd import topology_group
 from meshopt.errors import MeshoptError
@@ -29,6 +30,7 @@ cli.add_command(path_cmd)
 cli.add_command(routes_cmd)
 cli.add_command(gains_cmd)
 cli.add_command(topology_group)
+cli.add_command(lab_group)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -850,6 +850,7 @@ def start_emulator(
     timeout: float = 30.0,
     log_path: str | os.PathLike[str] | None = None,
     die_with_parent: bool = True,
+    new_session: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the emulator for ``spec_path`` and return once it printed READY.
 
@@ -859,8 +860,9 @@ def start_emulator(
     ``die_with_parent`` the kernel sends it SIGTERM if the caller dies, so a crashed
     test run cannot leave it (and its TUNs) behind; Linux ties this to the *thread*
     that started it, so call this from a thread that lives as long as the lab (or pass
-    False). On failure or timeout the process is ended and EmulatorError carries its
-    stderr; a bad spec raises SpecError before anything starts.
+    False). ``new_session`` detaches it from the caller's terminal, for a lab that
+    outlives the command that built it. On failure or timeout the process is ended and
+    EmulatorError carries its stderr; a bad spec raises SpecError before anything starts.
     """
     spec_path = Path(spec_path)
     spec = load_spec(spec_path, check_system=False)
@@ -871,7 +873,12 @@ def start_emulator(
         argv += ["--parent-pid", str(os.getpid())]
     with open(log, "wb") as log_file:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log_file, env=full_env
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            env=full_env,
+            start_new_session=new_session,
         )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout

@@ -1,0 +1,631 @@
+"""A WireGuard mesh in network namespaces, built from a topology: ``Lab.up`` / ``down``.
+
+The lab builds, in this order, and records each step in its state file before taking
+it (so a failure at any point rolls back exactly what exists):
+
+1. a namespace per node, and one for the management network;
+2. the underlay: the user-space emulator (one process, a TUN per node) applying each
+   pair's delay, jitter, loss and rate;
+3. the management network: a bridge in the management namespace, a veth to every
+   node, and mosquitto listening on it and on a unix socket in the lab's directory
+   (for tools in the root namespace);
+4. WireGuard over the underlay (wireguard-go here; the kernel module where present),
+   with the topology's overlay addresses.
+
+Python API::
+
+    with Lab.up("topologies/lab4.yaml") as lab:
+        lab.run("n1", ["ping", "-c1", lab.overlay_ip("n4")])
+        lab.set("n1-n4 delay=150ms")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from meshopt.errors import InputError
+from meshopt.lab import procs
+from meshopt.lab.emulator import (
+    EmulatorClient,
+    EmulatorError,
+    EmulatorSpec,
+    NodeSpec,
+    start_emulator,
+    write_spec,
+)
+from meshopt.lab.netns import list_netns, netns_argv, netns_exists
+from meshopt.lab.plan import (
+    MGMT_NET,
+    UNDERLAY_NET,
+    LabPlan,
+    Layout,
+    make_plan,
+    memory_estimate_mb,
+    new_lab_id,
+)
+from meshopt.lab.state import (
+    LabError,
+    LabState,
+    ProcState,
+    all_labs,
+    find,
+    lab_dir,
+    load,
+    registry_lock,
+    save,
+)
+from meshopt.lab.wg import WgBackend, choose_wireguard, configure_mesh, start_wireguard
+from meshopt.sim.events import Event, check_events, parse_event
+from meshopt.topology import load_topology, save_topology
+from meshopt.topology.model import Topology
+from meshopt.wireguard.userspace import private_run_dir_argv
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def ip_batch(commands: Sequence[str], *, netns: str | None = None) -> None:
+    """Run ``ip`` commands in one process (``ip -batch``): one fork for many changes."""
+    if not commands:
+        return
+    argv = ["ip", *(["-n", netns] if netns else []), "-batch", "-"]
+    proc = subprocess.run(
+        argv, input="\n".join(commands) + "\n", capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        where = f" in {netns}" if netns else ""
+        raise LabError(f"ip{where}: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+
+
+def _mem_available_mb() -> float:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    return float("inf")
+
+
+def choose_underlay(requested: str) -> str:
+    """``emulator`` (user space, works everywhere with /dev/net/tun) or refuse.
+
+    netem would be preferable where the kernel has it; the netem underlay is not built
+    yet (these machines have no netem to test it on), so ``auto`` means the emulator.
+    """
+    if requested in ("auto", "emulator"):
+        if not os.path.exists("/dev/net/tun"):
+            raise LabError("the emulated underlay needs /dev/net/tun")
+        return "emulator"
+    if requested == "netem":
+        raise LabError("the netem underlay is not implemented yet; use --underlay emulator")
+    raise InputError(f"bad underlay {requested!r}: use auto, emulator or netem")
+
+
+def _preflight() -> None:
+    if os.geteuid() != 0:
+        raise LabError("the lab needs root (network namespaces, TUN devices)")
+    for tool in ("ip",):
+        if shutil.which(tool) is None:
+            raise LabError(f"the lab needs the {tool} command (iproute2)")
+
+
+def _pids_in_netns(names: Sequence[str]) -> list[int]:
+    """Processes living in any of the named namespaces: they belong to the lab."""
+    inodes = set()
+    for name in names:
+        with contextlib.suppress(OSError):
+            inodes.add(os.stat(f"/run/netns/{name}").st_ino)
+    if not inodes:
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}/ns/net").st_ino in inodes:
+                    found.append(int(entry))
+    return found
+
+
+class Lab:
+    """A running lab: its state, plan and topology, and the operations on it."""
+
+    def __init__(self, state: LabState, topo: Topology, plan: LabPlan) -> None:
+        self.state = state
+        self.topo = topo
+        self.plan = plan
+        self._client: EmulatorClient | None = None
+
+    # -- building ----------------------------------------------------------------
+    @classmethod
+    def up(
+        cls,
+        topology: str | Topology,
+        *,
+        name: str | None = None,
+        layout: Layout = "single",
+        underlay: str = "auto",
+        wireguard: str = "auto",
+        broker: bool = True,
+        progress: Progress = _quiet,
+    ) -> Lab:
+        """Build the lab; on any failure (Ctrl-C included) remove what was built."""
+        _preflight()
+        topo = load_topology(topology) if isinstance(topology, str) else topology
+        source = topology if isinstance(topology, str) else topo.source
+        underlay_mode = choose_underlay(underlay)
+        wg_mode = choose_wireguard(wireguard)
+        started = time.monotonic()
+        with registry_lock():
+            lab_id = new_lab_id()
+            while lab_dir(lab_id).exists() or any(
+                n.startswith(f"ml{lab_id}-") for n in list_netns()
+            ):
+                lab_id = new_lab_id()
+            lab_name = name or topo.name
+            plan = make_plan(topo, lab_id, lab_name, layout=layout)
+            for other in all_labs():
+                if other.name == lab_name:
+                    raise LabError(
+                        f"a lab named {lab_name!r} is already up (id {other.id}); "
+                        "pick another --name or take it down first"
+                    )
+            need = memory_estimate_mb(plan)
+            have = _mem_available_mb()
+            if need > 0.8 * have:
+                raise LabError(
+                    f"lab {lab_name}: {len(plan.nodes)} nodes need ~{need:.0f} MB, only "
+                    f"{have:.0f} MB available"
+                )
+            directory = lab_dir(lab_id)
+            directory.mkdir(mode=0o700)
+            save_topology(topo, directory / "topology.yaml")
+            state = LabState(
+                id=lab_id,
+                name=lab_name,
+                topology=str(directory / "topology.yaml"),
+                source=source,
+                layout=layout,
+                underlay=underlay_mode,
+                wireguard=wg_mode,
+                created=time.time(),
+            )
+            save(state)
+        lab = cls(state, topo, plan)
+        try:
+            lab._build(broker=broker, progress=progress)
+        except BaseException:
+            progress("failed: removing what was built")
+            lab.down()
+            raise
+        state.phase = "up"
+        state.build_s = time.monotonic() - started
+        save(state)
+        return lab
+
+    def _build(self, *, broker: bool, progress: Progress) -> None:
+        state, plan = self.state, self.plan
+        t0 = time.monotonic()
+        progress(f"namespaces: {len(plan.netns)}")
+        state.netns = list(plan.netns)
+        save(state)
+        ip_batch([f"netns add {ns}" for ns in plan.netns])
+        progress("underlay: emulator")
+        self._start_emulator()
+        progress("management network" + (" and broker" if broker else ""))
+        self._build_mgmt()
+        if broker:
+            self._start_broker()
+        progress(f"wireguard ({state.wireguard}, {state.layout}): {len(plan.wg_ifs)} interfaces")
+        backend: WgBackend = start_wireguard(self, plan.wg_ifs)
+        configure_mesh(self, backend)
+        progress(f"up in {time.monotonic() - t0:.1f} s")
+
+    def _track(self, role: str, pid: int, netns: str | None, log: Path | None) -> None:
+        self.state.procs.append(ProcState(role, pid, netns, str(log) if log else None))
+        save(self.state)
+
+    def _start_emulator(self) -> None:
+        plan, topo = self.plan, self.topo
+        directory = lab_dir(plan.lab_id)
+        spec = EmulatorSpec(
+            lab=plan.lab_id,
+            control=str(directory / "emu.sock"),
+            nodes=[
+                NodeSpec(
+                    name=n.name,
+                    netns=n.netns,
+                    ifname=n.underlay_if,
+                    address=f"{n.underlay_ip}/{UNDERLAY_NET.prefixlen}",
+                )
+                for n in plan.nodes
+            ],
+            delay_ms=[[float(x) for x in row] for row in topo.delay_ms],
+            jitter_ms=[[float(x) for x in row] for row in topo.jitter_ms],
+            loss=[[float(x) for x in row] for row in topo.loss],
+            rate_mbit=[
+                [
+                    None
+                    if i == j or math.isinf(topo.rate_mbit[i][j])
+                    else float(topo.rate_mbit[i][j])
+                    for j in range(topo.n)
+                ]
+                for i in range(topo.n)
+            ],
+        )
+        spec_path = directory / "emu.json"
+        write_spec(spec, spec_path)
+        try:
+            proc = start_emulator(spec_path, die_with_parent=False, new_session=True)
+        except EmulatorError as exc:
+            raise LabError(str(exc)) from None
+        self._track("emulator", proc.pid, None, directory / "emu.log")
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+    def _build_mgmt(self) -> None:
+        plan = self.plan
+        m = plan.mgmt_netns
+        ip_batch(
+            [
+                f"link add name {n.mgmt_if} netns {n.netns} type veth "
+                f"peer name ml{plan.lab_id}m{n.index} netns {m}"
+                for n in plan.nodes
+            ]
+        )
+        ip_batch(
+            [
+                "link set lo up",
+                f"link add name {plan.mgmt_bridge} type bridge",
+                f"addr add {plan.broker_ip}/{MGMT_NET.prefixlen} dev {plan.mgmt_bridge}",
+                f"link set {plan.mgmt_bridge} up",
+            ]
+            + [
+                f"link set ml{plan.lab_id}m{n.index} master {plan.mgmt_bridge} up"
+                for n in plan.nodes
+            ],
+            netns=m,
+        )
+        for n in plan.nodes:
+            ip_batch(
+                [
+                    f"addr add {n.mgmt_ip}/{MGMT_NET.prefixlen} dev {n.mgmt_if}",
+                    f"link set {n.mgmt_if} up",
+                ],
+                netns=n.netns,
+            )
+
+    @property
+    def broker_socket(self) -> Path:
+        """The broker's unix socket, for tools in the root namespace."""
+        return lab_dir(self.plan.lab_id) / "mqtt.sock"
+
+    @property
+    def broker_host(self) -> str:
+        """The broker's address on the management network, for the nodes."""
+        return self.plan.broker_ip
+
+    def _start_broker(self, timeout: float = 10.0) -> None:
+        if shutil.which("mosquitto") is None:
+            raise LabError("the lab's broker needs mosquitto (apt install mosquitto)")
+        directory = lab_dir(self.plan.lab_id)
+        conf = directory / "mosquitto.conf"
+        conf.write_text(
+            "# meshopt lab broker: management network and a local unix socket\n"
+            "user root\npersistence false\nallow_anonymous true\n"
+            "log_dest stderr\nlog_type error\nlog_type warning\n"
+            f"listener 1883 {self.plan.broker_ip}\n"
+            f"listener 0 {self.broker_socket}\n"
+        )
+        log = directory / "mosquitto.log"
+        proc = procs.spawn(
+            ["mosquitto", "-c", str(conf)], self.plan.lab_id, log, netns=self.plan.mgmt_netns
+        )
+        self._track("broker", proc.pid, self.plan.mgmt_netns, log)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise LabError(f"mosquitto exited: {log.read_text(errors='replace').strip()}")
+            with socket.socket(socket.AF_UNIX) as s:
+                try:
+                    s.connect(str(self.broker_socket))
+                    return
+                except OSError:
+                    time.sleep(0.02)
+        raise LabError(f"mosquitto not listening after {timeout:g} s")
+
+    # -- attaching and tearing down -------------------------------------------------
+    @classmethod
+    def attach(cls, name: str) -> Lab:
+        """The running lab called ``name`` (or with that id)."""
+        state = find(name)
+        return cls.from_state(state)
+
+    @classmethod
+    def from_state(cls, state: LabState) -> Lab:
+        topo = load_topology(state.topology)
+        plan = make_plan(topo, state.id, state.name, layout=state.layout)  # type: ignore[arg-type]
+        return cls(state, topo, plan)
+
+    def down(self) -> None:
+        """Remove everything this lab created, and nothing else."""
+        teardown(self.state)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- using -----------------------------------------------------------------------
+    def netns(self, node: str) -> str:
+        return self.plan.node(node).netns
+
+    def overlay_ip(self, node: str) -> str:
+        return self.plan.node(node).overlay_ip
+
+    def underlay_ip(self, node: str) -> str:
+        return self.plan.node(node).underlay_ip
+
+    def mgmt_ip(self, node: str) -> str:
+        return self.plan.node(node).mgmt_ip
+
+    def wg_ifnames(self, node: str) -> list[str]:
+        i = self.plan.node(node).index
+        return [w.ifname for w in self.plan.wg_ifs if w.node == i]
+
+    def env(self, node: str) -> dict[str, str]:
+        """Environment for a process in ``node``: tagged, and told where things are."""
+        p = self.plan.node(node)
+        return {
+            procs.TAG: self.plan.lab_id,
+            "MESHOPT_LAB_NAME": self.plan.name,
+            "MESHOPT_NODE": p.name,
+            "MESHOPT_BROKER": f"{self.plan.broker_ip}:1883",
+        }
+
+    def wg_run_dir(self, node: str) -> Path:
+        """The node's private ``/var/run/wireguard`` (wireguard-go's UAPI sockets)."""
+        return lab_dir(self.plan.lab_id) / "wg" / self.plan.node(node).name
+
+    def argv(self, node: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` in the node's namespace, seeing the node's own WireGuard sockets.
+
+        ``ip netns exec`` gives the command its own mount namespace, so the bind mount
+        of the node's directory over ``/var/run/wireguard`` is seen by it alone: ``wg
+        show`` there lists the node's interfaces and no other node's.
+        """
+        run_dir = self.wg_run_dir(node)
+        if self.state.wireguard != "userspace" or not run_dir.is_dir():
+            return netns_argv(self.netns(node), argv)
+        return netns_argv(self.netns(node), private_run_dir_argv(str(run_dir), argv))
+
+    def popen(self, node: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` in ``node``; ``lab down`` ends it (it lives in the lab's netns)."""
+        env = {**os.environ, **kwargs.pop("env", {}), **self.env(node)}
+        return subprocess.Popen(self.argv(node, argv), env=env, **kwargs)
+
+    def run(
+        self, node: str, argv: Sequence[str], *, timeout: float | None = 60.0, check: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` in ``node`` to completion, output captured as text."""
+        env = {**os.environ, **self.env(node)}
+        return subprocess.run(
+            self.argv(node, argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=check,
+            env=env,
+        )
+
+    @property
+    def emulator(self) -> EmulatorClient:
+        if self._client is None:
+            self._client = EmulatorClient(lab_dir(self.plan.lab_id) / "emu.sock")
+        return self._client
+
+    def set(self, text: str) -> Event:
+        """Change the underlay now: ``a-b delay=150ms loss=2%``, ``a->b rate=5Mbit``,
+        ``a-b down``, ``node=c down``. Returns the parsed change."""
+        words = text.split()
+        if not words:
+            raise InputError("nothing to set: give a-b key=value ... or node=NAME down|up")
+        head = words[0]
+        if "=" not in head:
+            words[0] = f"link={head}"
+        line = "at=0 " + " ".join(words)
+        try:
+            event = parse_event(line)
+            check_events([event], self.topo)
+        except InputError as exc:
+            # The event parser's words, in the terms of this command.
+            msg = exc.message.replace(f"event {line!r}", repr(text)).replace("bad event", "bad")
+            raise InputError(f"lab {self.plan.name}: {msg}") from None
+        self.apply(event)
+        return event
+
+    def apply(self, ev: Event) -> None:
+        client = self.emulator
+        if ev.node is not None:
+            client.node_state(ev.node, ev.state == "up")
+            return
+        assert ev.link is not None
+        a, b = ev.link
+        pairs = [(a, b), (b, a)] if ev.both_ways else [(a, b)]
+        if ev.state == "down":
+            current = client.params()
+            names: list[str] = current["names"]
+            for x, y in pairs:
+                key = f"{x}->{y}"
+                if key not in self.state.saved_loss:
+                    self.state.saved_loss[key] = current["loss"][names.index(x)][names.index(y)]
+            save(self.state)
+            client.set(pairs, loss=1.0)
+        elif ev.state == "up":
+            for x, y in pairs:
+                loss = self.state.saved_loss.pop(f"{x}->{y}", None)
+                if loss is not None:
+                    client.set([(x, y)], loss=loss)
+            save(self.state)
+        ch = ev.changes
+        if ch:
+            kwargs: dict[str, Any] = {
+                "delay_ms": ch.get("delay_ms"),
+                "jitter_ms": ch.get("jitter_ms"),
+                "loss": ch.get("loss"),
+            }
+            if "rate_mbit" in ch:
+                kwargs["rate_mbit"] = ch["rate_mbit"]
+            client.set(pairs, **kwargs)
+
+    def status(self, *, stats: bool = False) -> dict[str, Any]:
+        """What the lab is and whether its parts are alive (``lab status``)."""
+        return lab_status(self, stats=stats)
+
+
+def lab_status(lab: Lab, *, stats: bool = False) -> dict[str, Any]:
+    st = lab.state
+    procs_out = []
+    rss_kb = 0
+    for p in st.procs:
+        ok = procs.alive(p.pid) and procs.lab_of(p.pid) == st.id
+        if ok:
+            rss_kb += _rss_kb(p.pid)
+        procs_out.append({"role": p.role, "pid": p.pid, "alive": ok})
+    nodes = []
+    for n in lab.plan.nodes:
+        nodes.append(
+            {
+                "name": n.name,
+                "netns": n.netns,
+                "underlay": n.underlay_ip,
+                "overlay": n.overlay_ip,
+                "mgmt": n.mgmt_ip,
+                "wireguard": lab.wg_ifnames(n.name),
+                "exists": netns_exists(n.netns),
+            }
+        )
+    out: dict[str, Any] = {
+        "name": st.name,
+        "id": st.id,
+        "phase": st.phase,
+        "topology": st.source,
+        "underlay": st.underlay,
+        "wireguard": st.wireguard,
+        "layout": st.layout,
+        "overlay_net": lab.plan.overlay_net,
+        "broker": {"address": f"{lab.broker_host}:1883", "socket": str(lab.broker_socket)},
+        "build_s": st.build_s,
+        "processes": procs_out,
+        "rss_mb": round(rss_kb / 1024, 1),
+        "nodes": nodes,
+        "healthy": all(p["alive"] for p in procs_out) and all(n["exists"] for n in nodes),
+    }
+    if stats:
+        try:
+            out["underlay_stats"] = lab.emulator.stats()
+        except EmulatorError as exc:
+            out["underlay_stats"] = {"error": str(exc)}
+    return out
+
+
+def _rss_kb(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def teardown(state: LabState) -> None:
+    """Stop the lab's processes by PID, delete its namespaces and its directory.
+
+    Also ends any other process living in the lab's namespaces (a command a user
+    started with ``lab exec``), since it would otherwise keep a namespace alive.
+    """
+    state.phase = "tearing-down"
+    with contextlib.suppress(OSError):
+        save(state)
+    pids = [p.pid for p in state.procs]
+    procs.stop_pids(pids, state.id)
+    ours = [ns for ns in state.netns if netns_exists(ns)]
+    strays = [pid for pid in _pids_in_netns(ours) if pid != os.getpid()]
+    for pid in strays:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in strays:
+        end = time.monotonic() + 2.0
+        while procs.alive(pid) and time.monotonic() < end:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            time.sleep(0.01)
+    if ours:
+        ip_batch([f"netns delete {ns}" for ns in ours])
+    shutil.rmtree(lab_dir(state.id), ignore_errors=True)
+
+
+def down_all() -> list[str]:
+    """Tear down every lab, and the leftovers of crashed ones; the names removed."""
+    removed = []
+    for st in all_labs():
+        teardown(st)
+        removed.append(st.name)
+    # Leftovers without a state file (a crash before the first save, a deleted /run dir).
+    orphans: dict[str, list[int]] = {}
+    for pid, tag in procs.tagged_pids().items():
+        if tag.startswith("l") and len(tag) == 5:
+            orphans.setdefault(tag, []).append(pid)
+    for ns in list_netns():
+        if ns.startswith("ml") and len(ns) > 8 and ns[7] == "-":
+            orphans.setdefault(ns[2:7], [])
+    for lab_id, pids in orphans.items():
+        netns = [ns for ns in list_netns() if ns.startswith(f"ml{lab_id}-")]
+        teardown(
+            LabState(
+                id=lab_id,
+                name=f"(orphan {lab_id})",
+                topology="",
+                source="",
+                layout="single",
+                underlay="",
+                wireguard="",
+                created=0.0,
+                netns=netns,
+                procs=[ProcState("orphan", pid) for pid in pids],
+            )
+        )
+        removed.append(f"(orphan {lab_id})")
+    return removed
+
+
+def labs() -> list[LabState]:
+    return all_labs()
+
+
+def load_lab(lab_id: str) -> Lab:
+    return Lab.from_state(load(lab_id))
+
+
+@contextlib.contextmanager
+def running_lab(topology: str | Topology, **kwargs: Any) -> Iterator[Lab]:
+    """A lab for the duration of a ``with`` block."""
+    lab = Lab.up(topology, **kwargs)
+    try:
+        yield lab
+    finally:
+        lab.down()

@@ -1,0 +1,118 @@
+"""The lab's processes: started tagged, ended by PID, and only if still ours.
+
+Every process a lab starts carries ``MESHOPT_LAB=<lab id>`` in its environment. A lab
+outlives the ``meshopt lab up`` that built it, so ``lab down`` is usually another
+process: before it signals a recorded PID it reads ``/proc/<pid>/environ`` to check
+the tag, so a PID the kernel has since given to someone else is never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from meshopt.lab.netns import netns_argv
+
+TAG = "MESHOPT_LAB"
+
+
+def spawn(
+    argv: Sequence[str],
+    lab_id: str,
+    log: Path,
+    *,
+    netns: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (in ``netns``) in its own session, tagged, output to ``log``.
+
+    Its own session: the lab's daemons must not die with the terminal or the
+    ``lab up`` command that started them.
+    """
+    full_env = {**os.environ, **(env or {}), TAG: lab_id}
+    cmd = netns_argv(netns, argv) if netns else list(argv)
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+
+
+def lab_of(pid: int) -> str | None:
+    """The lab tag in ``pid``'s environment, or None (no such process, no tag, zombie)."""
+    try:
+        data = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    prefix = TAG.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def tagged_pids(lab_id: str | None = None) -> dict[int, str]:
+    """PID -> lab id of every live process tagged with ``lab_id`` (any lab if None)."""
+    found: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        tag = lab_of(pid)
+        if tag is not None and (lab_id is None or tag == lab_id) and alive(pid):
+            found[pid] = tag
+    return found
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid`` if it is our child (in-process labs); harmless otherwise."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def stop_pids(pids: Sequence[int], lab_id: str, *, timeout: float = 5.0) -> list[int]:
+    """SIGTERM every PID still tagged ``lab_id``, SIGKILL what outlives ``timeout``.
+
+    Returns the PIDs that were signalled. PIDs no longer ours are skipped.
+    """
+    ours = [pid for pid in pids if lab_of(pid) == lab_id]
+    for pid in ours:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    left = list(ours)
+    while left and time.monotonic() < deadline:
+        for pid in left:
+            _reap(pid)
+        left = [pid for pid in left if alive(pid)]
+        if left:
+            time.sleep(0.02)
+    for pid in left:
+        if lab_of(pid) == lab_id:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for pid in left:
+        end = time.monotonic() + 2.0
+        while alive(pid) and time.monotonic() < end:
+            _reap(pid)
+            time.sleep(0.01)
+        _reap(pid)
+    return ours
