@@ -228,9 +228,9 @@ def state_from_messages(messages: Iterable[Any]) -> InterfaceState:
     )
 
 
-def _netlink_error(exc: Exception, ifname: str, netns: str | None) -> KernelWireGuardError:
+def _netlink_error(exc: Exception, ifname: str | None, netns: str | None) -> KernelWireGuardError:
     code = getattr(exc, "code", None)
-    where = f"{ifname}" + (f" in namespace {netns}" if netns else "")
+    where = (ifname or "kernel WireGuard") + (f" in namespace {netns}" if netns else "")
     if code == 19:  # ENODEV
         return KernelWireGuardError(f"{where}: no such WireGuard interface")
     if code == 2:  # ENOENT: the generic netlink family is not registered
@@ -258,7 +258,7 @@ class KernelBackend(BackendBase):
             try:
                 self._wg = _pyroute2().WireGuard(**kw)
             except Exception as exc:
-                raise _netlink_error(exc, "(socket)", self.netns) from None
+                raise _netlink_error(exc, None, self.netns) from None
         return self._wg
 
     def close(self) -> None:
@@ -304,7 +304,7 @@ class AsyncKernelBackend(AsyncBackendBase):
                 wg = mod.AsyncWireGuard(**kw)
                 await wg.setup_endpoint()
             except Exception as exc:
-                raise _netlink_error(exc, "(socket)", self.netns) from None
+                raise _netlink_error(exc, None, self.netns) from None
             self._wg = wg
         return self._wg
 

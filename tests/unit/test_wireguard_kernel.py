@@ -193,3 +193,25 @@ def test_backend_for() -> None:
 def test_unavailable_reason_without_probing_is_cheap() -> None:
     reason = kernel_unavailable_reason(probe=False)
     assert reason is None or "no wireguard kernel module" in reason
+
+
+def test_kernel_errors_are_project_errors() -> None:
+    """Module missing (here) or interface missing (elsewhere): one clear error either way."""
+    import asyncio
+
+    from meshopt.wireguard.errors import KernelWireGuardError
+    from meshopt.wireguard.kernel import AsyncKernelBackend
+
+    with KernelBackend() as kb, pytest.raises(KernelWireGuardError) as info:
+        kb.get("mownoexist0")
+    assert "kernel" in str(info.value) or "no such" in str(info.value)
+
+    async def main() -> None:
+        ab = AsyncKernelBackend()
+        try:
+            with pytest.raises(KernelWireGuardError):
+                await ab.get("mownoexist0")
+        finally:
+            ab.close()
+
+    asyncio.run(main())
