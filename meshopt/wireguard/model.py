@@ -262,18 +262,15 @@ def state_with_public_key(state: InterfaceState) -> InterfaceState:
     return state
 
 
-def _peer_change(current: PeerState | None, want: PeerConfig) -> PeerUpdate | None:
-    """The update that makes ``current`` into ``want``, or None if it already is."""
-    if current is None:
-        return want.to_update()
-    if (
-        current.allowed_ips == want.allowed_ips
+def _in_sync(current: PeerState | None, want: PeerConfig) -> bool:
+    """True when ``current`` already is ``want`` (a learned endpoint counts if none is set)."""
+    return (
+        current is not None
+        and current.allowed_ips == want.allowed_ips
         and (want.endpoint is None or current.endpoint == want.endpoint)
         and current.persistent_keepalive == want.persistent_keepalive
         and current.preshared_key == want.preshared_key
-    ):
-        return None
-    return want.to_update()
+    )
 
 
 def plan_sync(current: InterfaceState, want: InterfaceConfig) -> DeviceUpdate:
@@ -287,10 +284,7 @@ def plan_sync(current: InterfaceState, want: InterfaceConfig) -> DeviceUpdate:
     for p in current.peers:
         if p.public_key not in wanted:
             peers.append(PeerUpdate(public_key=p.public_key, remove=True))
-    for w in want.peers:
-        change = _peer_change(current.peer(w.public_key), w)
-        if change is not None:
-            peers.append(change)
+    peers.extend(w.to_update() for w in want.peers if not _in_sync(current.peer(w.public_key), w))
     return DeviceUpdate(
         private_key=(
             want.private_key
