@@ -57,7 +57,10 @@ def parse_duration_s(value: object, what: str = "duration") -> float:
 
 
 def parse_rate_mbit(value: object, what: str = "rate") -> float:
-    """Mbit/s from '100Mbit', '1Gbit', '500kbit' or a bare number (Mbit/s)."""
+    """Mbit/s from '100Mbit', '1Gbit', '500kbit' or a bare number (Mbit/s);
+    'unlimited' is infinity (no rate limit)."""
+    if isinstance(value, str) and value.strip().lower() == "unlimited":
+        return math.inf
     if isinstance(value, bool):
         raise InputError(f"bad {what} {value!r}")
     if isinstance(value, int | float):

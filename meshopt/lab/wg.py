@@ -148,21 +148,25 @@ def configure_mesh(lab: Lab, backend: WgBackend) -> None:
         )
     from meshopt.lab.lab import ip_batch
 
+    v6 = ipaddress.ip_network(plan.overlay_net).version == 6
     for node in plan.nodes:
         cmds = []
         for w in plan.wg_ifs:
             if w.node != node.index:
                 continue
-            if single:
-                cmds.append(f"addr add {node.overlay_ip}/{node.overlay_prefix} dev {w.ifname}")
-            else:
-                host = _host_len(node.overlay_ip)
-                cmds.append(f"addr add {node.overlay_ip}/{host} dev {w.ifname}")
+            if not v6:
+                # No IPv6 link-local address: its router solicitations would otherwise
+                # start handshakes (per-peer AllowedIPs ::/0) towards peers not yet up,
+                # and a lost first handshake is retried only after 5 s.
+                cmds.append(f"link set {w.ifname} addrgenmode none")
+            prefix = node.overlay_prefix if single else _host_len(node.overlay_ip)
+            cmds.append(f"addr add {node.overlay_ip}/{prefix} dev {w.ifname}")
             cmds.append(f"link set {w.ifname} mtu {WG_MTU} up")
             if not single:
                 other = plan.nodes[w.peers[0]]
-                host = _host_len(other.overlay_ip)
-                cmds.append(f"route add {other.overlay_ip}/{host} dev {w.ifname}")
+                cmds.append(
+                    f"route add {other.overlay_ip}/{_host_len(other.overlay_ip)} dev {w.ifname}"
+                )
         ip_batch(cmds, netns=node.netns)
 
 

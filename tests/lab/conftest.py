@@ -28,10 +28,17 @@ from meshopt.lab.emulator import (
     tun_name,
     write_spec,
 )
+from meshopt.lab.lab import Lab
 from meshopt.lab.netns import create_netns, delete_netns, list_netns, netns_exists
+from meshopt.lab.procs import tagged_pids
+
+from .tools import need_tools
+
+__all__ = ["Lab", "need_tools"]
 
 RUN_ID = uuid.uuid4().hex[:4]  # in every name this test run creates
 RUN_ROOT = Path("/run/meshopt")
+EXAMPLES = Path(__file__).resolve().parents[2] / "topologies"
 _counter = itertools.count()
 
 Matrix = Sequence[Sequence[float | None]]
@@ -64,19 +71,16 @@ def lab_ok() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def netns_left_as_found() -> Iterator[None]:
-    """Every lab test session must leave the namespace list exactly as it found it."""
+    """Every lab test session must leave the namespaces and lab processes as it found them."""
     before = list_netns()
+    procs_before = set(tagged_pids())
     yield
     after = list_netns()
     assert after == before, (
         f"namespaces changed: +{set(after) - set(before)} -{set(before) - set(after)}"
     )
-
-
-def need_tools(*tools: str) -> None:
-    missing = [t for t in tools if shutil.which(t) is None]
-    if missing:
-        pytest.skip(f"needs {', '.join(missing)}")
+    left = {pid: tag for pid, tag in tagged_pids().items() if pid not in procs_before}
+    assert not left, f"lab processes left running: {left}"
 
 
 def new_lab_id() -> str:
@@ -238,3 +242,42 @@ def shared_underlay(lab_ok: None) -> Iterator[Underlay]:
         for name in reversed(created):
             if netns_exists(name):
                 delete_netns(name)
+
+
+LabMaker = Callable[..., Lab]
+
+
+def _lab_name() -> str:
+    return f"t{RUN_ID}{next(_counter)}"
+
+
+@pytest.fixture
+def make_lab(lab_ok: None) -> Iterator[LabMaker]:
+    """``make_lab("topologies/lab4.yaml", layout=...)``: a running lab, removed after the test.
+
+    Takes what ``Lab.up`` takes (a topology file, a generator spec or a Topology); the
+    lab gets a name unique to this test run unless one is given.
+    """
+    made: list[Lab] = []
+
+    def make(topology: Any, **kwargs: Any) -> Lab:
+        kwargs.setdefault("name", _lab_name())
+        lab = Lab.up(topology, **kwargs)
+        made.append(lab)
+        return lab
+
+    try:
+        yield make
+    finally:
+        for lab in reversed(made):
+            lab.down()
+
+
+@pytest.fixture(scope="module")
+def lab4(lab_ok: None) -> Iterator[Lab]:
+    """One lab of topologies/lab4.yaml for a module's tests (restore what you change)."""
+    lab = Lab.up(str(EXAMPLES / "lab4.yaml"), name=_lab_name())
+    try:
+        yield lab
+    finally:
+        lab.down()

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,37 +40,17 @@ from meshopt.lab.emulator import (
 )
 from meshopt.lab.netns import netns_exec, netns_run
 
-from .conftest import RUN_ID, Underlay, UnderlayFactory, need_tools, new_lab_id
+from .conftest import RUN_ID, Underlay, UnderlayFactory, new_lab_id
+from .tools import IP_TCP_HEADERS, PingResult, iperf3_between, need_tools, ping_from, rtt_tolerance
 
 pytestmark = pytest.mark.lab
-
-IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12: what the rate also carries
-
-
-@dataclass
-class PingResult:
-    transmitted: int
-    received: int
-    rtts: list[float]  # ms, in order of arrival
-    lines: list[str]
 
 
 def ping(
     u: Underlay, src: int, dst: int | str, count: int, interval: float, *extra: str
 ) -> PingResult:
-    need_tools("ping")
     addr = u.addresses[dst] if isinstance(dst, int) else dst
-    # No -w: with a deadline, ping's -c counts replies and it keeps sending until then.
-    proc = netns_run(
-        u.ns(src),
-        ["ping", "-n", "-c", str(count), "-i", str(interval), "-W", "2", *extra, addr],
-        check=False,
-        timeout=count * interval + 20,
-    )
-    m = re.search(r"(\d+) packets transmitted, (\d+) received", proc.stdout)
-    assert m, f"unexpected ping output: {proc.stdout!r} {proc.stderr!r}"
-    rtts = [float(x) for x in re.findall(r"time=([\d.]+) ms", proc.stdout)]
-    return PingResult(int(m[1]), int(m[2]), rtts, proc.stdout.splitlines())
+    return ping_from(u.ns(src), addr, count, interval, *extra)
 
 
 def reset(u: Underlay) -> None:
@@ -97,10 +76,6 @@ def pair_stats(u: Underlay, src: int, dst: int) -> dict[str, int]:
     }
 
 
-def rtt_tolerance(rtt_ms: float) -> float:
-    return max(0.5, 0.03 * rtt_ms)
-
-
 # --- accuracy -------------------------------------------------------------------
 
 
@@ -119,28 +94,9 @@ def test_ping_rtt_matches_configured_delay(shared_underlay: Underlay, delay_ms: 
 
 
 def _iperf3(u: Underlay, src: int, dst: int, seconds: int = 3) -> dict[str, Any]:
-    need_tools("iperf3")
-    server = netns_exec(
-        u.ns(dst),
-        ["iperf3", "-s", "-1", "-B", u.addresses[dst]],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    return iperf3_between(
+        u.ns(dst), u.ns(src), u.addresses[dst], seconds=seconds, children=u.children
     )
-    u.children.append(server)
-    deadline = time.monotonic() + 5
-    while "5201" not in netns_run(u.ns(dst), ["ss", "-Hltn"]).stdout:
-        assert time.monotonic() < deadline, "iperf3 server did not start"
-        time.sleep(0.05)
-    proc = netns_run(
-        u.ns(src),
-        ["iperf3", "-c", u.addresses[dst], "-t", str(seconds), "-O", "1", "-J"],
-        check=False,
-        timeout=seconds + 30,
-    )
-    server.wait(10)
-    result: dict[str, Any] = json.loads(proc.stdout)
-    assert "error" not in result, result.get("error")
-    return result
 
 
 @pytest.mark.parametrize("rate_mbit", [20.0, 100.0])

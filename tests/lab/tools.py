@@ -1,0 +1,96 @@
+"""Measurements the lab tests share: ping and iperf3 inside namespaces."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from meshopt.lab.netns import netns_exec, netns_run
+
+IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12: what the rate also carries
+
+
+def need_tools(*tools: str) -> None:
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+
+
+def rtt_tolerance(rtt_ms: float) -> float:
+    """The lab's accuracy target for ping RTT: max(0.5 ms, 3 %)."""
+    return max(0.5, 0.03 * rtt_ms)
+
+
+@dataclass
+class PingResult:
+    transmitted: int
+    received: int
+    rtts: list[float]  # ms, in order of arrival
+    lines: list[str]
+
+    @property
+    def loss(self) -> float:
+        return 1.0 - self.received / self.transmitted
+
+
+def ping_from(netns: str, addr: str, count: int, interval: float, *extra: str) -> PingResult:
+    need_tools("ping")
+    # No -w: with a deadline, ping's -c counts replies and it keeps sending until then.
+    proc = netns_run(
+        netns,
+        ["ping", "-n", "-c", str(count), "-i", str(interval), "-W", "2", *extra, addr],
+        check=False,
+        timeout=count * interval + 20,
+    )
+    m = re.search(r"(\d+) packets transmitted, (\d+) received", proc.stdout)
+    assert m, f"unexpected ping output: {proc.stdout!r} {proc.stderr!r}"
+    rtts = [float(x) for x in re.findall(r"time=([\d.]+) ms", proc.stdout)]
+    return PingResult(int(m[1]), int(m[2]), rtts, proc.stdout.splitlines())
+
+
+def iperf3_between(
+    server_ns: str,
+    client_ns: str,
+    addr: str,
+    *,
+    seconds: int = 3,
+    children: list[subprocess.Popen[Any]] | None = None,
+    extra: Sequence[str] = (),
+) -> dict[str, Any]:
+    """One iperf3 run client -> server (``addr`` is the server's); its JSON result."""
+    need_tools("iperf3")
+    server = netns_exec(
+        server_ns,
+        ["iperf3", "-s", "-1", "-B", addr],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    if children is not None:
+        children.append(server)
+    try:
+        deadline = time.monotonic() + 5
+        while "5201" not in netns_run(server_ns, ["ss", "-Hltn"]).stdout:
+            assert time.monotonic() < deadline, "iperf3 server did not start"
+            time.sleep(0.05)
+        proc = netns_run(
+            client_ns,
+            ["iperf3", "-c", addr, "-t", str(seconds), "-O", "1", "-J", *extra],
+            check=False,
+            timeout=seconds + 30,
+        )
+        server.wait(10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    result: dict[str, Any] = json.loads(proc.stdout)
+    assert "error" not in result, result.get("error")
+    return result
