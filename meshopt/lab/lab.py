@@ -71,6 +71,9 @@ from meshopt.topology.model import Topology
 from meshopt.wireguard.userspace import private_run_dir_argv
 
 Progress = Callable[[str], None]
+# What wireguard-go adds per direction here (two process wake-ups per packet), measured
+# with scripts/bench_lab.py: median overlay RTT - underlay RTT = 0.5-0.7 ms at 10-80 ms.
+WG_USERSPACE_LATENCY_US = 250.0
 
 
 def _quiet(_: str) -> None:
@@ -254,6 +257,10 @@ class Lab:
             delay_ms=[[float(x) for x in row] for row in topo.delay_ms],
             jitter_ms=[[float(x) for x in row] for row in topo.jitter_ms],
             loss=[[float(x) for x in row] for row in topo.loss],
+            tunnel_ports=sorted({w.port for w in plan.wg_ifs}),
+            tunnel_latency_us=WG_USERSPACE_LATENCY_US
+            if self.state.wireguard == "userspace"
+            else 0.0,
             rate_mbit=[
                 [
                     None
