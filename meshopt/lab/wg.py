@@ -67,10 +67,14 @@ def start_wireguard(lab: Lab, wg_ifs: Sequence[WgIfPlan]) -> WgBackend:
         )
     save(state)
     if state.wireguard == "kernel":
-        from meshopt.lab.lab import ip_batch
+        from meshopt.wireguard.errors import WireGuardError
+        from meshopt.wireguard.kernel import create_kernel_interface
 
         for w in wg_ifs:
-            ip_batch([f"link add {w.ifname} type wireguard"], netns=plan.nodes[w.node].netns)
+            try:
+                create_kernel_interface(w.ifname, netns=plan.nodes[w.node].netns, mtu=WG_MTU)
+            except WireGuardError as exc:
+                raise LabError(str(exc)) from None
         return _KernelLabBackend()
     from meshopt.wireguard.errors import WireGuardError
     from meshopt.wireguard.userspace import start_wireguard_go
@@ -110,7 +114,8 @@ class _KernelLabBackend:
     def configure(self, netns: str, ifname: str, config: InterfaceConfig) -> None:
         from meshopt.wireguard.kernel import KernelBackend
 
-        KernelBackend(netns=netns).configure(ifname, config)
+        with KernelBackend(netns=netns) as backend:
+            backend.configure(ifname, config)
 
 
 def configure_mesh(lab: Lab, backend: WgBackend) -> None:

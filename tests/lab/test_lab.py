@@ -224,3 +224,21 @@ def test_down_removes_processes_started_in_the_lab(make_lab: LabMaker) -> None:
     assert not tagged_pids(lab_id)
     assert not any(ns.startswith(f"ml{lab_id}") for ns in list_netns())
     assert not (LABS_ROOT / lab_id).exists()
+
+
+def test_kernel_wireguard(make_lab: LabMaker) -> None:
+    """Kernel WireGuard where the module is loaded; here a clear refusal otherwise."""
+    from meshopt.lab.state import LabError
+    from meshopt.wireguard.kernel import kernel_unavailable_reason
+
+    reason = kernel_unavailable_reason()
+    if reason is not None:
+        before = list_netns()
+        with pytest.raises(LabError, match="no WireGuard kernel module"):
+            make_lab(str(EXAMPLES / "triangle.yaml"), wireguard="kernel")
+        assert list_netns() == before
+        pytest.skip(f"kernel WireGuard lab not run: {reason}")
+    lab = make_lab(str(EXAMPLES / "triangle.yaml"), wireguard="kernel")
+    assert lab.status()["wireguard"] == "kernel"
+    for a, b in (("a", "b"), ("b", "c"), ("c", "a")):
+        assert _ping(lab, a, b, 2, 0.05).received >= 1
