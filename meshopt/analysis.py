@@ -15,7 +15,7 @@ from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import add_backups
-from meshopt.routing.tables import walk_costs
+from meshopt.routing.tables import reduce_paths
 from meshopt.sim.report import GainSummary, summarize_gains
 from meshopt.topology.model import Topology
 
@@ -125,6 +125,6 @@ def node_routes(p: Plan, node: str) -> list[RouteEntry]:
 def relay_gains(p: Plan, top: int = 10) -> GainSummary:
     """Pairs whose best route relays, and the RTT it saves over the direct tunnel."""
     n = p.topo.n
-    routed = walk_costs(p.tables.next_hop, p.rtt)
+    routed = reduce_paths(p.tables.next_hop, p.rtt)
     relayed = (p.tables.next_hop != np.arange(n)[None, :]) & (p.tables.next_hop != NO_ROUTE)
     return summarize_gains(p.topo.names, p.rtt, routed, routed, relayed, p.tables.path, top)
