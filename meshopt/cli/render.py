@@ -91,10 +91,17 @@ def render_sim(c: Console, r: SimReport) -> None:
         f"[bold]meshopt sim[/] {r.topology}: {r.nodes} nodes, {r.pairs} pairs, "
         f"{r.duration_s:.0f} s simulated ({mode} routes, seed {r.seed}) in {r.runtime_s:.1f} s"
     )
-    c.print(f"initial convergence: {_s(r.initial_converge_s)}")
+    if r.initial_converge_s is None:
+        until = r.events[0].at_s if r.events else r.duration_s
+        c.print(
+            f"initial convergence: not within {until:g} s ({r.initial_suboptimal_pairs} of "
+            f"{r.nodes * (r.nodes - 1)} routes still outside the policy margin)"
+        )
+    else:
+        c.print(f"initial convergence: {_s(r.initial_converge_s)}")
     render_gains(c, r.gains, "Relaying (installed routes before the first event)")
     if r.gains.pairs:
-        c.print(f"  installed routes vs optimum: +{format_ms(r.gains.mean_shortfall_ms)} mean")
+        c.print(f"  installed routes vs optimum: {r.gains.mean_shortfall_ms:+.2f} ms RTT, mean")
     if r.events:
         t = Table(title="Events", title_justify="left")
         for col in ("at", "event", "outage", "converged", "pairs cut", "changes", "left off"):

@@ -18,6 +18,7 @@ from meshopt.cli.common import (
     topology_argument,
 )
 from meshopt.cli.render import render_sim
+from meshopt.errors import InputError
 from meshopt.policy import PolicyConfig
 from meshopt.sim.engine import SimConfig, simulate
 from meshopt.sim.events import parse_event
@@ -73,7 +74,7 @@ def sim_cmd(
         policy=policy,
     )
     if cfg.duration_s <= 0 or cfg.probe_interval_s <= 0:
-        raise click.BadParameter("--duration and --probe-interval must be > 0")
+        raise InputError("--duration and --probe-interval must be > 0")
     err = Console(stderr=True)
     if err.is_terminal:
         with Progress(

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from meshopt.errors import InputError
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig, decide
@@ -245,6 +246,12 @@ def simulate(
     cfg = config or SimConfig()
     started = time.perf_counter()
     check_events(list(events), topo)
+    for ev in events:
+        if ev.at_s >= cfg.duration_s:
+            raise InputError(
+                f"event {ev.text!r} is at {ev.at_s:g} s, not before the end of the "
+                f"simulation ({cfg.duration_s:g} s)"
+            )
     rng = np.random.default_rng(cfg.seed)
     n = topo.n
     metric, relay = cfg.metric, cfg.metric.relay_hop_ms
@@ -304,7 +311,7 @@ def simulate(
         noise = rng.standard_normal((n, n)) * truth.sigma
         lost = (rng.random((n, n)) < truth.loss) | ~truth.usable
         est.update(np.maximum(truth.rtt + noise, 0.0), lost)
-        if progress is not None and step % 20 == 0:
+        if progress is not None:
             progress(step / steps)
 
     if gains is None:
@@ -332,6 +339,7 @@ def simulate(
         failovers=failovers,
         runtime_s=time.perf_counter() - started,
         initial_converge_s=start.converged_at,
+        initial_suboptimal_pairs=start.result.suboptimal_pairs,
     )
 
 

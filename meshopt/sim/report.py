@@ -71,6 +71,7 @@ class SimReport:
     failovers: int
     runtime_s: float
     initial_converge_s: float | None = None
+    initial_suboptimal_pairs: int = 0  # routes outside the margin when the start interval ended
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
