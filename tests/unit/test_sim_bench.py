@@ -1,0 +1,27 @@
+"""Smoke test: the simulator benchmark runs and reports a node failure it really simulated."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_sim.py"
+
+
+def test_quick_bench_sim_json() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    (run,) = json.loads(proc.stdout)["runs"]
+    assert run["nodes"] == 50 and run["routes"] == 50 * 49 and run["simulated_s"] == 10.0
+    assert run["wall_s"] > 0 and run["wall_per_simulated_s"] == round(run["wall_s"] / 10.0, 3)
+    assert run["event"].startswith("at=5s node=") and run["event"].endswith(" down")
+    assert run["event_broken_routes"] > 0  # the busiest relay carried routes when it failed
+    assert run["event_outage_s"] is not None and run["event_outage_s"] <= 1.25
+    assert run["improved_pairs"] > 0
