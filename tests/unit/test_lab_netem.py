@@ -33,6 +33,7 @@ from meshopt.lab.netem import (
     netem_change_commands,
     netem_node_commands,
     netem_remove_commands,
+    node_mac,
     parse_leaf_stats,
     queue_limit,
     validate_netem_spec,
@@ -207,6 +208,7 @@ def test_switch_links_then_qdiscs_then_node_ends() -> None:
     batches = netem_build_commands(spec)
     assert [(b.tool, b.netns) for b in batches] == [
         ("ip", SW),
+        ("bridge", SW),
         ("tc", SW),
         ("ip", "motn0"),
         ("ip", "motn1"),
@@ -214,16 +216,29 @@ def test_switch_links_then_qdiscs_then_node_ends() -> None:
     ]
     sw = list(batches[0].lines)
     assert sw[0].startswith("link add name br0 type bridge")
+    macs = [node_mac(i) for i in range(3)]
+    assert len(set(macs)) == 3 and macs[2] == "02:6d:6f:00:00:02"
+    assert batches[1].lines == tuple(f"fdb add {macs[i]} dev p{i} master static" for i in range(3))
     for i, node in enumerate(spec.nodes):
-        add = f"link add name p{i} mtu 1500 type veth peer name {node.ifname} netns {node.netns}"
+        add = (
+            f"link add name p{i} mtu 1500 type veth peer name {node.ifname} "
+            f"address {macs[i]} netns {node.netns}"
+        )
         assert add in sw
         assert sw.index(add) < sw.index(f"link set dev p{i} master br0")
         assert sw.index(f"link set dev p{i} master br0") < sw.index(f"link set dev p{i} up")
-        lines = list(batches[2 + i].lines)
+        lines = list(batches[3 + i].lines)
         assert f"addr add {node.address} dev {node.ifname}" in lines
         assert f"link set dev {node.ifname} gso_max_segs 1" in lines
         assert f"link set dev {node.ifname} addrgenmode none" in lines
         assert lines[-1] == f"link set dev {node.ifname} up"
+        # No ARP: a permanent neighbour for every other node, none for itself.
+        neigh = [line for line in lines if line.startswith("neigh ")]
+        assert neigh == [
+            f"neigh replace 172.31.0.{k + 1} lladdr {macs[k]} dev {node.ifname} nud permanent"
+            for k in range(3)
+            if k != i
+        ]
     assert all(b.argv()[:4] == [b.tool, "-n", b.netns, "-batch"] for b in batches)
 
 
@@ -236,7 +251,10 @@ def test_options_ipv6_down_ports_and_gso() -> None:
     assert "link set dev p0 up" in sw and "link set dev p1 up" not in sw
     assert not any("addrgenmode" in line for b in batches for line in b.lines)
     assert not any("gso_max_segs" in line for b in batches for line in b.lines)
-    assert "addr add fd00:31::1/64 dev mtu0 nodad" in batches[2].lines
+    assert "addr add fd00:31::1/64 dev mtu0 nodad" in batches[3].lines
+    assert (
+        f"neigh replace fd00:31::2 lladdr {node_mac(1)} dev mtu0 nud permanent" in batches[3].lines
+    )
     t = parse_tc(tc_lines(batches))
     assert t["filters"][("p1", "fd00:31::1/128")] == class_minor(0)
     assert all(option(line, "handle") and " pfifo limit " in line for line in t["leaves"].values())
@@ -377,7 +395,7 @@ def test_executor_keeps_state_for_other_processes(ran: list[Batch], tmp_path: Pa
     state = tmp_path / "netem.json"
     u = NetemUnderlay(make_spec(3), state)
     u.build()
-    assert [b.tool for b in ran] == ["ip", "tc", "ip", "ip", "ip"]
+    assert [b.tool for b in ran] == ["ip", "bridge", "tc", "ip", "ip", "ip"]
     ran.clear()
     other = NetemUnderlay.load(state)  # e.g. a later `meshopt lab set`
     assert other.set([("n0", "n1"), (1, 0)], delay_ms=150.0, loss=0.02) == {"ok": True, "pairs": 2}
