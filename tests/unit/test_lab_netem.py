@@ -501,3 +501,18 @@ def test_leaf_lines_round_trip_through_tc_syntax() -> None:
         for line in batch.lines:
             assert re.fullmatch(r"[A-Za-z0-9_.:/%\- ]+", line), line
             assert words(line) == line.split()
+
+
+def test_unreadable_state_is_a_one_line_error(tmp_path: Path) -> None:
+    with pytest.raises(NetemError, match="netem underlay state"):
+        NetemUnderlay.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"switch_netns": 3}')
+    with pytest.raises(NetemError, match="netem underlay state") as info:
+        NetemUnderlay.load(bad)
+    assert "\n" not in str(info.value)
+    spec = make_spec(2)
+    spec.leaf = "tbf"  # well-typed but invalid: load() validates in full
+    bad.write_bytes(msgspec.json.encode(spec))
+    with pytest.raises(NetemError, match="leaf"):
+        NetemUnderlay.load(bad)
