@@ -25,7 +25,10 @@ A pair is *converged* when the policy would have no reason to move it to the
 optimum for the ground truth even with settled estimates: the gain misses the
 absolute or relative margin, or is within the noise that settled estimates keep
 (``noise_sigmas`` times their standard deviation). Convergence time is when every
-pair first reached that state and stayed there until the next event (or the end).
+pair first reached that state and stayed there until the next event (or the end);
+after an event, pairs that were already outside the margin when it came are left
+out of that (unless the event cuts them): they are the previous interval's, and
+still counted in ``suboptimal_pairs``.
 """
 
 from __future__ import annotations
@@ -176,6 +179,10 @@ def _effective(
 ) -> tuple[IntArray, BoolArray]:
     """Installed next hops, with local fail-over to the backup where the next hop is dead.
 
+    The controller ships a backup with every entry it installs: the loop-free
+    alternate of the best route where the entry is the best route, and the best
+    route's own next hop where the policy kept another one. An agent switches to
+    it when the installed next hop stops answering and the backup still does.
     Also returns the mask of entries running on their backup.
     """
     nh = inst.next_hop
@@ -184,19 +191,28 @@ def _effective(
         return nh, np.zeros((n, n), dtype=bool)
     rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
     broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
-    swap: BoolArray = broken & (best.backup != NO_ROUTE) & (nh == best.next_hop)
+    backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
+    alive = (backup != NO_ROUTE) & ~dead[rows, np.where(backup == NO_ROUTE, rows, backup)]
+    swap: BoolArray = broken & alive & (backup != nh)
     if not swap.any():
         return nh, swap
-    return np.where(swap, best.backup, nh), swap
+    return np.where(swap, backup, nh), swap
 
 
 @dataclass
 class _Tracker:
-    """Outage and convergence of the routes in use, since one event (or the start)."""
+    """Outage and convergence of the routes in use, since one event (or the start).
+
+    ``leftover`` marks the pairs that were outside the margin when the event came
+    (the previous interval's stragglers): they still count as suboptimal, but the
+    event's convergence time is about the pairs it moved, unless it cuts them.
+    """
 
     result: EventResult
+    leftover: BoolArray | None = None
     restored_at: float | None = None
     converged_at: float | None = None
+    bad: BoolArray | None = None  # outside the margin at the last round scored
     _seen: tuple[_Truth, IntArray] | None = None
 
     def score(self, truth: _Truth, eff: IntArray, now: float, pol: PolicyConfig) -> None:
@@ -220,6 +236,8 @@ class _Tracker:
                 | (gain <= pol.noise_sigmas * noise + 1e-6)
             )
         bad = want & (broken | ~close)
+        self.bad = bad
+        moved = bad if self.leftover is None else (bad & ~self.leftover) | broken
         elapsed = now - self.result.at_s
         res = self.result
         if broken.any():
@@ -228,7 +246,7 @@ class _Tracker:
         elif self.restored_at is None:
             self.restored_at = elapsed
         res.outage_s = self.restored_at
-        if bad.any():
+        if moved.any():
             self.converged_at = None
         elif self.converged_at is None:
             self.converged_at = elapsed
@@ -283,7 +301,7 @@ def simulate(
                 gains = _gains(truth, installed)
             _apply(ev, live, node_up)
             truth = _truth(live, node_up, metric, cfg.symmetric, est)
-            tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s))
+            tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s), leftover=tracker.bad)
             results.append(tracker.result)
 
         if step > 0 and step % every == 0:  # the controller; at step 0 nothing is measured yet

@@ -201,6 +201,46 @@ def test_node_down_then_up_reconverges() -> None:
     assert ("a", "b", 4) in r.max_changes_pair
 
 
+def test_fail_over_also_protects_a_route_the_policy_kept_off_the_optimum() -> None:
+    """At 20 s a-c slows a little: via d becomes best by 2 ms, inside the 5 ms margin, so
+    a<->b stays via c. When c dies, the agents still have a backup to go to (the best
+    route's next hop, d) and do not wait for the controller's next recompute (45 s)."""
+    topo = mesh("abcd", {**FAILOVER, "a-d": 10.5, "d-b": 10.5}, default_ms=15.0)
+    r = run(
+        topo,
+        "at=20s link=a-c delay=11ms",
+        "at=40.5s node=c down",
+        duration_s=60.0,
+        recompute_s=5.0,
+    )
+    slower, down = r.events
+    assert slower.route_changes == 0  # kept: the gain is inside the margin
+    assert down.broken_pairs == 2
+    assert down.outage_s is not None and down.outage_s <= (SimConfig().dead_after + 1) * PROBE
+    assert r.failovers >= 2
+
+
+# Two groups far apart: a-b relays via c from 1 s; p-q goes direct until its event.
+GROUPS = {
+    **{"a-b": 40.0, "a-c": 10.0, "c-b": 10.0},
+    **{"p-q": 10.0, "p-r": 8.0, "r-q": 8.0},
+}
+
+
+def test_an_events_convergence_is_not_held_up_by_earlier_stragglers() -> None:
+    """At 10 s a-c gets five times slower: a<->b should go direct again but changed at
+    1 s, so the hold keeps it off the optimum until 31 s. An unrelated event at 15 s
+    (p-q five times slower) converges in one recompute all the same."""
+    topo = mesh("abcpqr", GROUPS, default_ms=100.0)
+    r = run(topo, "at=10s link=a-c delay=50ms", "at=15s link=p-q delay=50ms", duration_s=40.0)
+    held, other = r.events
+    assert other.converge_s == pytest.approx(1.0)
+    assert other.route_changes >= 2 + 1  # p<->q at 16 s, then a held entry at 31 s
+    assert other.suboptimal_pairs == 0  # by 40 s the stragglers are back too
+    assert held.converge_s is None  # it never had the mesh to itself long enough ...
+    assert held.suboptimal_pairs >= 1  # ... a held a<->b entry was off when p-q changed
+
+
 def test_link_down_event_cuts_and_restores() -> None:
     topo = mesh("xyz", DEGRADE, default_ms=8.0)
     r = run(topo, "at=20s link=x-y down", duration_s=40.0)
