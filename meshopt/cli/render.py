@@ -119,7 +119,8 @@ def render_sim(c: Console, r: SimReport) -> None:
         c.print(t)
         c.print(
             "  outage: until every pair that can be reached has a working route again; "
-            "converged: until every pair is within the policy's margin of the optimum"
+            "converged: until every pair the event moved is within the policy's margin of "
+            "the optimum; left off: pairs outside it when the interval ended"
         )
     c.print(
         f"route changes: {r.route_changes} in all, {r.changes_per_route_hour:.2f} per route "
