@@ -43,6 +43,14 @@ from meshopt.lab.emulator import (
     start_emulator,
     write_spec,
 )
+from meshopt.lab.netem import (
+    NetemError,
+    NetemNode,
+    NetemSpec,
+    NetemUnderlay,
+    UnderlayControl,
+    choose_underlay_mode,
+)
 from meshopt.lab.netns import list_netns, netns_argv, netns_exists
 from meshopt.lab.plan import (
     MGMT_NET,
@@ -101,21 +109,6 @@ def _mem_available_mb() -> float:
     return float("inf")
 
 
-def choose_underlay(requested: str) -> str:
-    """``emulator`` (user space, works everywhere with /dev/net/tun) or refuse.
-
-    netem would be preferable where the kernel has it; the netem underlay is not built
-    yet (these machines have no netem to test it on), so ``auto`` means the emulator.
-    """
-    if requested in ("auto", "emulator"):
-        if not os.path.exists("/dev/net/tun"):
-            raise LabError("the emulated underlay needs /dev/net/tun")
-        return "emulator"
-    if requested == "netem":
-        raise LabError("the netem underlay is not implemented yet; use --underlay emulator")
-    raise InputError(f"bad underlay {requested!r}: use auto, emulator or netem")
-
-
 def _preflight() -> None:
     if os.geteuid() != 0:
         raise LabError("the lab needs root (network namespaces, TUN devices)")
@@ -148,7 +141,7 @@ class Lab:
         self.state = state
         self.topo = topo
         self.plan = plan
-        self._client: EmulatorClient | None = None
+        self._client: UnderlayControl | None = None
 
     # -- building ----------------------------------------------------------------
     @classmethod
@@ -167,7 +160,7 @@ class Lab:
         _preflight()
         topo = load_topology(topology) if isinstance(topology, str) else topology
         source = topology if isinstance(topology, str) else topo.source
-        underlay_mode = choose_underlay(underlay)
+        underlay_mode = choose_underlay_mode(underlay)
         wg_mode = choose_wireguard(wireguard)
         started = time.monotonic()
         with registry_lock():
@@ -220,12 +213,18 @@ class Lab:
     def _build(self, *, broker: bool, progress: Progress) -> None:
         state, plan = self.state, self.plan
         t0 = time.monotonic()
-        progress(f"namespaces: {len(plan.netns)}")
-        state.netns = list(plan.netns)
+        netns = list(plan.netns)
+        if state.underlay == "netem":
+            netns.append(self.switch_netns)
+        progress(f"namespaces: {len(netns)}")
+        state.netns = netns
         save(state)
-        ip_batch([f"netns add {ns}" for ns in plan.netns])
-        progress("underlay: emulator")
-        self._start_emulator()
+        ip_batch([f"netns add {ns}" for ns in netns])
+        progress(f"underlay: {state.underlay}")
+        if state.underlay == "netem":
+            self._build_netem()
+        else:
+            self._start_emulator()
         progress("management network" + (" and broker" if broker else ""))
         self._build_mgmt()
         if broker:
@@ -240,8 +239,9 @@ class Lab:
         save(self.state)
 
     def _start_emulator(self) -> None:
-        plan, topo = self.plan, self.topo
+        plan = self.plan
         directory = lab_dir(plan.lab_id)
+        latency = WG_USERSPACE_LATENCY_US if self.state.wireguard == "userspace" else 0.0
         spec = EmulatorSpec(
             lab=plan.lab_id,
             control=str(directory / "emu.sock"),
@@ -254,22 +254,9 @@ class Lab:
                 )
                 for n in plan.nodes
             ],
-            delay_ms=[[float(x) for x in row] for row in topo.delay_ms],
-            jitter_ms=[[float(x) for x in row] for row in topo.jitter_ms],
-            loss=[[float(x) for x in row] for row in topo.loss],
             tunnel_ports=sorted({w.port for w in plan.wg_ifs}),
-            tunnel_latency_us=WG_USERSPACE_LATENCY_US
-            if self.state.wireguard == "userspace"
-            else 0.0,
-            rate_mbit=[
-                [
-                    None
-                    if i == j or math.isinf(topo.rate_mbit[i][j])
-                    else float(topo.rate_mbit[i][j])
-                    for j in range(topo.n)
-                ]
-                for i in range(topo.n)
-            ],
+            tunnel_latency_us=latency,
+            **self._matrices(),
         )
         spec_path = directory / "emu.json"
         write_spec(spec, spec_path)
@@ -280,6 +267,38 @@ class Lab:
         self._track("emulator", proc.pid, None, directory / "emu.log")
         if proc.stdout is not None:
             proc.stdout.close()
+
+    @property
+    def switch_netns(self) -> str:
+        """The netem underlay's switch (a bridge with a shaped veth per node)."""
+        return f"ml{self.plan.lab_id}--sw"
+
+    def _matrices(self) -> dict[str, Any]:
+        topo = self.topo
+        return {
+            "delay_ms": [[float(x) for x in row] for row in topo.delay_ms],
+            "jitter_ms": [[float(x) for x in row] for row in topo.jitter_ms],
+            "loss": [[float(x) for x in row] for row in topo.loss],
+            "rate_mbit": [
+                [None if i == j or math.isinf(r) else float(r) for j, r in enumerate(row)]
+                for i, row in enumerate(topo.rate_mbit)
+            ],
+        }
+
+    def _build_netem(self) -> None:
+        plan = self.plan
+        spec = NetemSpec(
+            switch_netns=self.switch_netns,
+            nodes=[
+                NetemNode(
+                    n.name, n.netns, n.underlay_if, f"{n.underlay_ip}/{UNDERLAY_NET.prefixlen}"
+                )
+                for n in plan.nodes
+            ],
+            leaf="netem",
+            **self._matrices(),
+        )
+        NetemUnderlay(spec, lab_dir(plan.lab_id) / "netem.json").build()
 
     def _build_mgmt(self) -> None:
         plan = self.plan
@@ -441,9 +460,14 @@ class Lab:
         )
 
     @property
-    def emulator(self) -> EmulatorClient:
+    def emulator(self) -> UnderlayControl:
+        """The underlay's run-time control: the emulator's socket or the netem state."""
         if self._client is None:
-            self._client = EmulatorClient(lab_dir(self.plan.lab_id) / "emu.sock")
+            directory = lab_dir(self.plan.lab_id)
+            if self.state.underlay == "netem":
+                self._client = NetemUnderlay.load(directory / "netem.json")
+            else:
+                self._client = EmulatorClient(directory / "emu.sock")
         return self._client
 
     def set(self, text: str) -> Event:
@@ -546,7 +570,7 @@ def lab_status(lab: Lab, *, stats: bool = False) -> dict[str, Any]:
     if stats:
         try:
             out["underlay_stats"] = lab.emulator.stats()
-        except EmulatorError as exc:
+        except (EmulatorError, NetemError) as exc:
             out["underlay_stats"] = {"error": str(exc)}
     return out
 

@@ -242,3 +242,25 @@ def test_kernel_wireguard(make_lab: LabMaker) -> None:
     assert lab.status()["wireguard"] == "kernel"
     for a, b in (("a", "b"), ("b", "c"), ("c", "a")):
         assert _ping(lab, a, b, 2, 0.05).received >= 1
+
+
+def test_netem_underlay(make_lab: LabMaker) -> None:
+    """The kernel underlay where netem exists; here a clear refusal and nothing left."""
+    from meshopt.lab.netem import netem_unavailable_reason
+    from meshopt.lab.state import LabError
+
+    reason = netem_unavailable_reason()
+    if reason is not None:
+        before = list_netns()
+        with pytest.raises(LabError, match="no netem"):
+            make_lab(str(EXAMPLES / "lab4.yaml"), underlay="netem")
+        assert list_netns() == before
+        pytest.skip(f"netem lab not run: {reason}")
+    lab = make_lab(str(EXAMPLES / "lab4.yaml"), underlay="netem")
+    assert lab.status()["underlay"] == "netem"
+    _ping(lab, "n1", "n2", 1, 0.1)
+    r = _ping(lab, "n1", "n2", 50, 0.01)
+    assert abs(statistics.median(r.rtts) - 10.0) <= rtt_tolerance(10.0)
+    lab.set("n1-n2 delay=20ms")
+    r = _ping(lab, "n1", "n2", 20, 0.01)
+    assert abs(statistics.median(r.rtts) - 40.0) <= rtt_tolerance(40.0)
