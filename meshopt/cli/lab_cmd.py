@@ -91,12 +91,13 @@ def up_cmd(
 @json_option
 def status_cmd(name: str | None, stats: bool, graph_out: str | None, as_json: bool) -> None:
     """List running labs, or show one lab's nodes, addresses, modes and processes."""
-    from meshopt.lab.lab import Lab, labs
+    from meshopt.lab.lab import Lab
+    from meshopt.lab.state import all_labs
 
     if name is None:
         if graph_out:
             raise InputError("--graph needs a lab NAME")
-        states = labs()
+        states = all_labs()
         rows = [
             {
                 "name": s.name,

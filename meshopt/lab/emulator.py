@@ -85,7 +85,7 @@ from typing import Any
 
 import msgspec
 
-from meshopt.lab.netns import check_netns_name, netns_exists
+from meshopt.lab.netns import netns_exists
 from meshopt.lab.shaper import (
     DEFAULT_QUEUE_MIN_BYTES,
     DEFAULT_QUEUE_MS,
@@ -93,6 +93,7 @@ from meshopt.lab.shaper import (
     PairShaper,
 )
 from meshopt.lab.tun import check_ifname
+from meshopt.lab.underlay import UnderlayNode, check_matrices, check_nodes, pair_params
 
 LAB_ID = re.compile(r"[A-Za-z0-9]{1,10}")
 READY = "READY"
@@ -124,12 +125,7 @@ class EmulatorError(RuntimeError):
 # --- spec -----------------------------------------------------------------------
 
 
-class NodeSpec(msgspec.Struct, forbid_unknown_fields=True):
-    name: str
-    netns: str
-    ifname: str
-    address: str  # interface address with prefix, e.g. "172.31.0.1/16" (IPv4 or IPv6)
-    address6: str | None = None  # optional second (IPv6) address for dual-stack labs
+NodeSpec = UnderlayNode  # the emulator's name for it
 
 
 class EmulatorSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -165,13 +161,7 @@ class EmulatorSpec(msgspec.Struct, forbid_unknown_fields=True):
         return len(self.nodes)
 
     def pair_params(self, i: int, j: int) -> PairParams:
-        rate = self.rate_mbit[i][j] if self.rate_mbit is not None else None
-        return PairParams(
-            delay_ms=self.delay_ms[i][j],
-            jitter_ms=self.jitter_ms[i][j] if self.jitter_ms is not None else 0.0,
-            loss=self.loss[i][j] if self.loss is not None else 0.0,
-            rate_mbit=math.inf if rate is None else rate,
-        )
+        return pair_params(self, i, j)
 
     def addresses(self, i: int) -> list[str]:
         node = self.nodes[i]
@@ -214,57 +204,15 @@ def validate_spec(spec: EmulatorSpec, *, check_system: bool = True) -> None:
         raise SpecError(f"control {control!r} must be an absolute path of <= {SUN_PATH_MAX} bytes")
     if spec.lab not in control:
         raise SpecError(f"control path {control!r} must contain the lab id {spec.lab!r}")
-    seen: dict[str, set[str]] = {"name": set(), "netns": set(), "ifname": set()}
-    addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+    try:
+        check_nodes(spec.nodes, mtu=spec.mtu)
+        check_matrices(spec, n)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     for k, node in enumerate(spec.nodes):
-        where = f"nodes[{k}]"
-        for key in ("name", "netns", "ifname"):
-            value = getattr(node, key)
-            if value in seen[key]:
-                raise SpecError(f"{where}.{key}: {value!r} is used twice")
-            seen[key].add(value)
-        try:
-            check_ifname(node.ifname)
-            check_netns_name(node.netns)
-        except ValueError as exc:
-            raise SpecError(f"{where}: {exc}") from None
         for key in ("ifname", "netns"):
             if spec.lab not in getattr(node, key):
-                raise SpecError(f"{where}.{key} must contain the lab id {spec.lab!r}")
-        for key in ("address", "address6"):
-            text = getattr(node, key)
-            if text is None:
-                continue
-            try:
-                iface = ipaddress.ip_interface(text)
-            except ValueError:
-                raise SpecError(f"{where}.{key}: {text!r} is not an address/prefix") from None
-            if "/" not in text:
-                raise SpecError(f"{where}.{key}: {text!r} needs a prefix length, e.g. /16")
-            if key == "address6" and iface.version != 6:
-                raise SpecError(f"{where}.address6: {text!r} is not IPv6")
-            if iface.version == 6 and spec.mtu < 1280:
-                raise SpecError(f"mtu {spec.mtu} is below IPv6's minimum 1280")
-            ip = iface.ip
-            if ip.is_multicast or ip.is_unspecified or ip.is_loopback or ip.is_link_local:
-                raise SpecError(f"{where}.{key}: {text!r} cannot be a node address")
-            if ip in addresses:
-                raise SpecError(f"{where}.{key}: address {ip} is used twice")
-            addresses.add(ip)
-    for key in ("delay_ms", "jitter_ms", "loss", "rate_mbit"):
-        matrix = getattr(spec, key)
-        if matrix is None:
-            continue
-        if len(matrix) != n or any(len(row) != n for row in matrix):
-            raise SpecError(f"{key}: must be a {n}x{n} matrix")
-    for i in range(n):
-        for j in range(n):
-            if i == j:
-                continue
-            try:
-                spec.pair_params(i, j)
-            except ValueError as exc:
-                raise SpecError(f"pair [{i}, {j}]: {exc}") from None
+                raise SpecError(f"nodes[{k}].{key} must contain the lab id {spec.lab!r}")
     if check_system:
         for k, node in enumerate(spec.nodes):
             if not netns_exists(node.netns):

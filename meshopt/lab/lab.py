@@ -29,7 +29,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,6 @@ from meshopt.lab.state import (
     all_labs,
     find,
     lab_dir,
-    load,
     registry_lock,
     save,
 )
@@ -642,21 +641,3 @@ def down_all() -> list[str]:
         )
         removed.append(f"(orphan {lab_id})")
     return removed
-
-
-def labs() -> list[LabState]:
-    return all_labs()
-
-
-def load_lab(lab_id: str) -> Lab:
-    return Lab.from_state(load(lab_id))
-
-
-@contextlib.contextmanager
-def running_lab(topology: str | Topology, **kwargs: Any) -> Iterator[Lab]:
-    """A lab for the duration of a ``with`` block."""
-    lab = Lab.up(topology, **kwargs)
-    try:
-        yield lab
-    finally:
-        lab.down()

@@ -89,7 +89,7 @@ import msgspec
 from meshopt.lab.netns import check_netns_name, create_netns, delete_netns, unique_name
 from meshopt.lab.shaper import DEFAULT_QUEUE_MIN_BYTES, DEFAULT_QUEUE_MS, PairParams
 from meshopt.lab.state import LabError
-from meshopt.lab.tun import check_ifname
+from meshopt.lab.underlay import UnderlayNode, check_matrices, check_nodes, pair_params
 
 if TYPE_CHECKING:
     from meshopt.lab.emulator import EmulatorClient
@@ -198,14 +198,7 @@ def choose_underlay_mode(
 # --- the spec (also the run-time state) --------------------------------------------------
 
 
-class NetemNode(msgspec.Struct, forbid_unknown_fields=True):
-    """One node: its namespace, its end of the veth (name chosen by the caller), address."""
-
-    name: str
-    netns: str
-    ifname: str
-    address: str  # with prefix, e.g. "172.31.0.1/16"
-    address6: str | None = None  # optional IPv6 address with prefix
+NetemNode = UnderlayNode  # netem's name for it: the node end of its veth is ``ifname``
 
 
 class NetemSpec(msgspec.Struct, forbid_unknown_fields=True):
@@ -240,13 +233,7 @@ class NetemSpec(msgspec.Struct, forbid_unknown_fields=True):
         return True if self.up is None else self.up[i]
 
     def pair_params(self, i: int, j: int) -> PairParams:
-        rate = self.rate_mbit[i][j] if self.rate_mbit is not None else None
-        return PairParams(
-            delay_ms=float(self.delay_ms[i][j]),
-            jitter_ms=float(self.jitter_ms[i][j]) if self.jitter_ms is not None else 0.0,
-            loss=float(self.loss[i][j]) if self.loss is not None else 0.0,
-            rate_mbit=math.inf if rate is None else float(rate),
-        )
+        return pair_params(self, i, j)
 
     def set_pair(self, i: int, j: int, p: PairParams) -> None:
         """Store ``p`` for (i, j), filling in matrices that were left out."""
@@ -278,44 +265,11 @@ def validate_netem_spec(spec: NetemSpec) -> None:
         check_netns_name(spec.switch_netns)
     except ValueError as exc:
         raise NetemError(f"netem underlay: switch: {exc}") from None
-    seen: dict[str, set[str]] = {"name": set(), "netns": {spec.switch_netns}}
-    addresses: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
-    for k, node in enumerate(spec.nodes):
-        where = f"netem underlay: nodes[{k}]"
-        for key in ("name", "netns"):
-            value = getattr(node, key)
-            if value in seen[key]:
-                raise NetemError(f"{where}.{key}: {value!r} is used twice")
-            seen[key].add(value)
-        try:
-            check_netns_name(node.netns)
-            check_ifname(node.ifname)
-        except ValueError as exc:
-            raise NetemError(f"{where}: {exc}") from None
-        for key, version in (("address", 4), ("address6", 6)):
-            text = getattr(node, key)
-            if text is None:
-                continue
-            try:
-                iface = ipaddress.ip_interface(text)
-            except ValueError:
-                raise NetemError(f"{where}.{key}: {text!r} is not an address/prefix") from None
-            if "/" not in text or iface.version != version:
-                raise NetemError(f"{where}.{key}: {text!r} must be IPv{version} with a prefix")
-            if iface.ip in addresses:
-                raise NetemError(f"{where}.{key}: address {iface.ip} is used twice")
-            addresses.add(iface.ip)
-    for key in ("delay_ms", "jitter_ms", "loss", "rate_mbit"):
-        matrix = getattr(spec, key)
-        if matrix is not None and (len(matrix) != n or any(len(row) != n for row in matrix)):
-            raise NetemError(f"netem underlay: {key} must be a {n}x{n} matrix")
-    for i in range(n):
-        for j in range(n):
-            if i != j:
-                try:
-                    spec.pair_params(i, j)
-                except ValueError as exc:
-                    raise NetemError(f"netem underlay: pair [{i}, {j}]: {exc}") from None
+    try:
+        check_nodes(spec.nodes, mtu=spec.mtu, ipv4_address=True, taken_netns={spec.switch_netns})
+        check_matrices(spec, n)
+    except ValueError as exc:
+        raise NetemError(f"netem underlay: {exc}") from None
 
 
 # --- units ------------------------------------------------------------------------------
