@@ -79,6 +79,17 @@ def _check_range(name: str, value: int | None, high: int, low: int = 0) -> None:
         raise WireGuardError(f"{name} {value} out of range {low}..{high}")
 
 
+def _normalize_peer(peer: PeerConfig | PeerUpdate) -> None:
+    """Check keys and keepalive; store allowed IPs and endpoint as WireGuard does."""
+    check_key(peer.public_key)
+    if peer.preshared_key is not None:
+        check_key(peer.preshared_key)
+    object.__setattr__(peer, "allowed_ips", normalize_allowed_ips(peer.allowed_ips))
+    if peer.endpoint is not None:
+        object.__setattr__(peer, "endpoint", format_endpoint(*parse_endpoint(peer.endpoint)))
+    _check_range("persistent keepalive", peer.persistent_keepalive, MAX_KEEPALIVE)
+
+
 @dataclass(frozen=True, slots=True)
 class PeerConfig:
     """One peer as it should be. ``endpoint=None`` leaves a learned endpoint alone."""
@@ -90,13 +101,7 @@ class PeerConfig:
     preshared_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_key(self.public_key)
-        if self.preshared_key is not None:
-            check_key(self.preshared_key)
-        object.__setattr__(self, "allowed_ips", normalize_allowed_ips(self.allowed_ips))
-        if self.endpoint is not None:
-            object.__setattr__(self, "endpoint", format_endpoint(*parse_endpoint(self.endpoint)))
-        _check_range("persistent keepalive", self.persistent_keepalive, MAX_KEEPALIVE)
+        _normalize_peer(self)
 
     def to_update(self, *, update_only: bool = False) -> PeerUpdate:
         """This peer as a create-or-update change that replaces its allowed IPs."""
@@ -111,6 +116,15 @@ class PeerConfig:
         )
 
 
+def _normalize_device(dev: InterfaceConfig | DeviceUpdate) -> None:
+    """Check the private key, port and fwmark; peers as a tuple."""
+    if dev.private_key is not None:
+        check_key(dev.private_key)
+    _check_range("listen port", dev.listen_port, MAX_PORT)
+    _check_range("fwmark", dev.fwmark, MAX_FWMARK)
+    object.__setattr__(dev, "peers", tuple(dev.peers))
+
+
 @dataclass(frozen=True, slots=True)
 class InterfaceConfig:
     """The whole desired state of one interface. ``None`` fields are left as they are."""
@@ -121,11 +135,7 @@ class InterfaceConfig:
     peers: tuple[PeerConfig, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.private_key is not None:
-            check_key(self.private_key)
-        _check_range("listen port", self.listen_port, MAX_PORT)
-        _check_range("fwmark", self.fwmark, MAX_FWMARK)
-        object.__setattr__(self, "peers", tuple(self.peers))
+        _normalize_device(self)
         seen: set[str] = set()
         for p in self.peers:
             if p.public_key in seen:
@@ -160,13 +170,7 @@ class PeerUpdate:
     preshared_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_key(self.public_key)
-        if self.preshared_key is not None:
-            check_key(self.preshared_key)
-        object.__setattr__(self, "allowed_ips", normalize_allowed_ips(self.allowed_ips))
-        if self.endpoint is not None:
-            object.__setattr__(self, "endpoint", format_endpoint(*parse_endpoint(self.endpoint)))
-        _check_range("persistent keepalive", self.persistent_keepalive, MAX_KEEPALIVE)
+        _normalize_peer(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,11 +187,7 @@ class DeviceUpdate:
     peers: tuple[PeerUpdate, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.private_key is not None:
-            check_key(self.private_key)
-        _check_range("listen port", self.listen_port, MAX_PORT)
-        _check_range("fwmark", self.fwmark, MAX_FWMARK)
-        object.__setattr__(self, "peers", tuple(self.peers))
+        _normalize_device(self)
 
     def is_empty(self) -> bool:
         """True when applying this would change nothing (so it need not be sent)."""
