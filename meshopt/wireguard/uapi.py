@@ -21,6 +21,7 @@ import ipaddress
 import os
 import socket
 from pathlib import Path
+from typing import Self
 
 from meshopt.wireguard.errors import KeyFormatError, UapiError, WireGuardError
 from meshopt.wireguard.keys import key_from_hex, key_to_hex
@@ -261,11 +262,11 @@ def _connect_error(exc: OSError, path: str) -> UapiError:
     return UapiError(msg, path=path)
 
 
-# --- blocking client --------------------------------------------------------------------
+# --- clients ----------------------------------------------------------------------------
 
 
-class UapiClient:
-    """Blocking UAPI client; one connection per request."""
+class _ClientBase:
+    """Where a client connects and how long it waits; shared by both clients."""
 
     def __init__(self, path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT):
         self.path = str(path)
@@ -278,8 +279,12 @@ class UapiClient:
         run_dir: str | os.PathLike[str] = DEFAULT_RUN_DIR,
         *,
         timeout: float = DEFAULT_TIMEOUT,
-    ) -> UapiClient:
+    ) -> Self:
         return cls(socket_path(ifname, run_dir), timeout=timeout)
+
+
+class UapiClient(_ClientBase):
+    """Blocking UAPI client; one connection per request."""
 
     def request(self, data: bytes) -> str:
         """Send one raw request and return the raw reply (through ``errno=N\\n\\n``)."""
@@ -325,22 +330,8 @@ class UapiClient:
 # --- asyncio client ---------------------------------------------------------------------
 
 
-class AsyncUapiClient:
+class AsyncUapiClient(_ClientBase):
     """asyncio UAPI client for the agent; same behaviour and errors as UapiClient."""
-
-    def __init__(self, path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT):
-        self.path = str(path)
-        self.timeout = timeout
-
-    @classmethod
-    def for_interface(
-        cls,
-        ifname: str,
-        run_dir: str | os.PathLike[str] = DEFAULT_RUN_DIR,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-    ) -> AsyncUapiClient:
-        return cls(socket_path(ifname, run_dir), timeout=timeout)
 
     async def request(self, data: bytes) -> str:
         try:
