@@ -7,7 +7,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,3 +94,25 @@ def iperf3_between(
     result: dict[str, Any] = json.loads(proc.stdout)
     assert "error" not in result, result.get("error")
     return result
+
+
+def assert_goodput_near(measure: Callable[[], float], expected_mbit: float) -> float:
+    """Goodput within 5 % of ``expected_mbit``; never above it by more.
+
+    This VM sometimes loses the CPU for 5-25 ms; a stall leaves the emulated link
+    idle, so a second run is allowed when the first falls short. No run may exceed
+    the rate: that would be a shaping bug. Returns the best run (Mbit/s).
+    """
+    runs: list[float] = []
+    for _ in range(2):
+        runs.append(measure())
+        assert runs[-1] <= expected_mbit * 1.05, (runs, expected_mbit)
+        if runs[-1] >= expected_mbit * 0.95:
+            break
+    assert abs(max(runs) / expected_mbit - 1.0) <= 0.05, (runs, expected_mbit)
+    return max(runs)
+
+
+def iperf3_goodput_mbit(server_ns: str, client_ns: str, addr: str, **kwargs: Any) -> float:
+    result = iperf3_between(server_ns, client_ns, addr, **kwargs)
+    return float(result["end"]["sum_received"]["bits_per_second"]) / 1e6
