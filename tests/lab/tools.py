@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -116,3 +117,42 @@ def assert_goodput_near(measure: Callable[[], float], expected_mbit: float) -> f
 def iperf3_goodput_mbit(server_ns: str, client_ns: str, addr: str, **kwargs: Any) -> float:
     result = iperf3_between(server_ns, client_ns, addr, **kwargs)
     return float(result["end"]["sum_received"]["bits_per_second"]) / 1e6
+
+
+def assert_change_within_100ms(
+    netns: str,
+    addr: str,
+    old_ms: float,
+    new_ms: float,
+    change: Callable[[], object],
+    children: list[subprocess.Popen[Any]],
+) -> tuple[float, list[tuple[float, float]]]:
+    """Ping every 5 ms while ``change`` moves the one-way delay from ``old_ms`` to
+    ``new_ms``: the first reply with the new RTT comes within 100 ms (plus its own RTT).
+
+    Returns the wall time of the change and the (timestamp, RTT ms) replies.
+    """
+    need_tools("ping")
+    proc = netns_exec(
+        netns,
+        ["ping", "-n", "-D", "-i", "0.005", "-c", "200", "-W", "2", addr],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    children.append(proc)
+    time.sleep(0.4)
+    t_change = time.time()
+    change()
+    out, err = proc.communicate(timeout=20)
+    replies = [
+        (float(m[1]), float(m[2]))
+        for m in re.finditer(r"^\[([\d.]+)\].*time=([\d.]+) ms", out, re.MULTILINE)
+    ]
+    assert len(replies) > 150, err
+    before = [rtt for ts, rtt in replies if ts < t_change]
+    assert abs(statistics.median(before) - 2 * old_ms) <= rtt_tolerance(2 * old_ms)
+    fresh = [ts for ts, rtt in replies if ts > t_change and abs(rtt - 2 * new_ms) <= 1.0]
+    assert fresh, "no reply with the new RTT"
+    assert fresh[0] - t_change <= 0.100 + 2 * new_ms / 1000, fresh[0] - t_change
+    return t_change, replies
