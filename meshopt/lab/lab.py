@@ -25,7 +25,6 @@ import contextlib
 import math
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -594,16 +593,7 @@ def teardown(state: LabState) -> None:
     pids = [p.pid for p in state.procs]
     procs.stop_pids(pids, state.id)
     ours = [ns for ns in state.netns if netns_exists(ns)]
-    strays = [pid for pid in _pids_in_netns(ours) if pid != os.getpid()]
-    for pid in strays:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for pid in strays:
-        end = time.monotonic() + 2.0
-        while procs.alive(pid) and time.monotonic() < end:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            time.sleep(0.01)
+    procs.kill_pids([pid for pid in _pids_in_netns(ours) if pid != os.getpid()])
     if ours:
         ip_batch([f"netns delete {ns}" for ns in ours])
     shutil.rmtree(lab_dir(state.id), ignore_errors=True)

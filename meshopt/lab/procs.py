@@ -88,31 +88,39 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+def _signal(pids: Sequence[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
+    """Wait (reaping our own children) until the PIDs are gone; those still alive."""
+    deadline = time.monotonic() + timeout
+    left = list(pids)
+    while left:
+        for pid in left:
+            _reap(pid)
+        left = [pid for pid in left if alive(pid)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.01)
+    return left
+
+
 def stop_pids(pids: Sequence[int], lab_id: str, *, timeout: float = 5.0) -> list[int]:
     """SIGTERM every PID still tagged ``lab_id``, SIGKILL what outlives ``timeout``.
 
     Returns the PIDs that were signalled. PIDs no longer ours are skipped.
     """
     ours = [pid for pid in pids if lab_of(pid) == lab_id]
-    for pid in ours:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    left = list(ours)
-    while left and time.monotonic() < deadline:
-        for pid in left:
-            _reap(pid)
-        left = [pid for pid in left if alive(pid)]
-        if left:
-            time.sleep(0.02)
-    for pid in left:
-        if lab_of(pid) == lab_id:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    for pid in left:
-        end = time.monotonic() + 2.0
-        while alive(pid) and time.monotonic() < end:
-            _reap(pid)
-            time.sleep(0.01)
-        _reap(pid)
+    _signal(ours, signal.SIGTERM)
+    left = _wait_gone(ours, timeout)
+    kill_pids([pid for pid in left if lab_of(pid) == lab_id])
     return ours
+
+
+def kill_pids(pids: Sequence[int], *, timeout: float = 2.0) -> None:
+    """SIGKILL and wait: for processes that must go now (they hold a namespace)."""
+    _signal(pids, signal.SIGKILL)
+    _wait_gone(pids, timeout)
