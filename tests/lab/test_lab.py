@@ -23,7 +23,7 @@ from meshopt.lab.procs import tagged_pids
 from meshopt.lab.state import LABS_ROOT, all_labs
 from meshopt.wireguard.userspace import UserspaceBackend
 
-from .conftest import EXAMPLES, LabMaker
+from .conftest import EXAMPLES, RUN_ID, LabMaker
 from .tools import (
     IP_TCP_HEADERS,
     PingResult,
@@ -189,7 +189,7 @@ def test_bad_input_leaves_nothing(make_lab: LabMaker, lab4: Lab) -> None:
     with pytest.raises(MeshoptError, match="already up"):
         make_lab(str(EXAMPLES / "triangle.yaml"), name=lab4.plan.name)
     with pytest.raises(MeshoptError, match="too many"):
-        make_lab("gen:geo:n=300,seed=1", name="huge")
+        make_lab("gen:geo:n=300,seed=1", name=f"huge{RUN_ID}")
     with pytest.raises(MeshoptError, match="unknown node"):
         lab4.set("n1-zz delay=5ms")
     with pytest.raises(MeshoptError, match="unknown unit"):
@@ -213,10 +213,10 @@ def test_failed_up_rolls_back(lab_ok: None, tmp_path: Path) -> None:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        Lab.up(str(EXAMPLES / "lab4.yaml"), name="rollback-test", progress=interrupt)
+        Lab.up(str(EXAMPLES / "lab4.yaml"), name=f"rb{RUN_ID}", progress=interrupt)
     assert seen[-1].startswith("failed")
     assert list_netns() == before
-    assert not any(s.name == "rollback-test" for s in all_labs())
+    assert not any(s.name == f"rb{RUN_ID}" for s in all_labs())
     assert tagged_pids() == procs_before
 
 
