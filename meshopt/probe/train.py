@@ -1,0 +1,675 @@
+"""Path capacity from packet trains: a few short bursts instead of a saturating test.
+
+A sender puts a train of equal-sized UDP packets on the wire back to back; the narrowest
+link on the path spaces them out to its serialisation time, and the receiver's kernel
+receive timestamps (``SO_TIMESTAMPNS``) measure that dispersion. Capacity of one train is
+``(packets received - 1) * packet_bytes / (last_rx - first_rx)``; several trains are
+combined with the median. An estimate costs a few tens of kilobytes, where iperf3 sends
+at full rate for 10 s.
+
+Rates are at the **IP level of the probe packets**: ``packet_bytes`` is the whole IP
+packet (IPv4 20 or IPv6 40 bytes of header, UDP 8, then the payload). A tunnel adds its
+own bytes per packet on the underlay; :meth:`BandwidthEstimate.underlay_mbit` and
+:func:`probe_level_mbit` convert (WireGuard over IPv4: inner padded to 16, plus 60).
+
+Wire format (network byte order), every packet starts with ``MOTR``, a version and a kind:
+
+- train packet: ``magic version kind=1 train_id:u32 nonce:8s index:u16 count:u16`` then
+  zero padding up to the packet size;
+- report: ``magic version kind=2 train_id:u32 nonce:8s received:u16 count:u16 bytes:u32
+  first_rx_ns:u64`` then ``received`` entries ``index:u16 offset_ns:u32`` (receive time
+  after the first packet), in arrival order.
+
+The responder (:class:`TrainResponder`) keeps a bounded number of trains in flight, each
+bounded in length; it answers after a train's last packet, or when a train has been idle
+for ``REPORT_IDLE_S`` (its tail was lost). Garbage, oversized packets, packets of a train
+whose nonce does not match and late packets of an answered train are dropped, counted,
+and logged once per reason.
+
+Command line (for lab nodes)::
+
+    python -m meshopt.probe.train --serve [--port 51898]
+    python -m meshopt.probe.train --estimate ADDRESS [--scope IF] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import itertools
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import struct
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshopt.errors import MeshoptError
+
+log = logging.getLogger(__name__)
+
+TRAIN_PORT = 51898
+MAGIC = b"MOTR"
+VERSION = 1
+KIND_TRAIN = 1
+KIND_REPORT = 2
+
+SO_TIMESTAMPNS = 35  # asm-generic/socket.h; Python has no constant for it
+_TIMESPEC = struct.Struct("@qq")
+
+_HEAD = struct.Struct("!4sBBI8s")  # magic, version, kind, train id, nonce
+_TRAIN = struct.Struct("!4sBBI8sHH")  # + index, count
+_REPORT = struct.Struct("!4sBBI8sHHIQ")  # + received, count, bytes, first rx ns
+_ENTRY = struct.Struct("!HI")  # index, receive time after the first packet (ns)
+
+IPV4_UDP_HEADERS = 28
+IPV6_UDP_HEADERS = 48
+MAX_TRAIN_PACKETS = 200  # a report of 200 entries (1,242 bytes) fits a 1280-byte IPv6 MTU
+MAX_PACKET_BYTES = 9000  # UDP payload; a bigger datagram is refused as oversized
+MAX_TRAINS_IN_FLIGHT = 32
+REPORT_IDLE_S = 0.15  # a train silent this long is answered as it stands
+FINISHED_MEMORY = 256  # answered trains remembered, so their late packets are not new trains
+
+# WireGuard on the underlay: outer IPv4 20 + UDP 8 + header 16 + tag 16; IPv6 outer: 80.
+WG_IPV4_OVERHEAD = 60
+WG_IPV6_OVERHEAD = 80
+WG_PADDING = 16
+
+# Defaults chosen by measurement through wireguard-go in the lab (see the lab test):
+# 48 packets of 1,200 bytes is 60 KB on the underlay, under the lab's 64 KB queue, and a
+# dispersion of 4.8 ms at 100 Mbit/s, 48 ms at 10 Mbit/s.
+DEFAULT_PACKET_BYTES = 1200
+DEFAULT_TRAIN_PACKETS = 48
+DEFAULT_TRAINS = 5
+DEFAULT_GAP_S = 0.01
+
+
+class TrainError(MeshoptError):
+    """A train packet or report that cannot be decoded (garbage, truncated, wrong kind)."""
+
+
+class NoAnswerError(MeshoptError):
+    """The peer answered none of the trains: no responder, or the path is down."""
+
+
+# --- wire format ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainPacket:
+    train_id: int
+    nonce: bytes
+    index: int
+    count: int
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """What the responder saw of one train: arrivals as (index, ns after the first)."""
+
+    train_id: int
+    nonce: bytes
+    count: int
+    bytes: int  # UDP payload bytes received
+    first_rx_ns: int
+    arrivals: tuple[tuple[int, int], ...]
+
+    @property
+    def received(self) -> int:
+        return len(self.arrivals)
+
+
+def encode_train_packet(p: TrainPacket, size: int) -> bytes:
+    """One train packet of ``size`` bytes of UDP payload."""
+    head = _TRAIN.pack(MAGIC, VERSION, KIND_TRAIN, p.train_id, p.nonce, p.index, p.count)
+    if size < len(head):
+        raise TrainError(f"train packets need at least {len(head)} bytes of payload")
+    return head + bytes(size - len(head))
+
+
+def _check_head(data: bytes, kind: int, what: str) -> None:
+    if len(data) < _HEAD.size:
+        raise TrainError(f"{what}: {len(data)} bytes is too short")
+    magic, version, got_kind, _, _ = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise TrainError(f"{what}: bad magic {magic!r}")
+    if version != VERSION:
+        raise TrainError(f"{what}: version {version}, expected {VERSION}")
+    if got_kind != kind:
+        raise TrainError(f"{what}: kind {got_kind}, expected {kind}")
+
+
+def decode_train_packet(data: bytes) -> TrainPacket:
+    _check_head(data, KIND_TRAIN, "train packet")
+    if len(data) < _TRAIN.size:
+        raise TrainError(f"train packet: {len(data)} bytes is too short")
+    _, _, _, train_id, nonce, index, count = _TRAIN.unpack_from(data)
+    if not 0 < count <= MAX_TRAIN_PACKETS:
+        raise TrainError(f"train packet: train of {count} packets (limit {MAX_TRAIN_PACKETS})")
+    if index >= count:
+        raise TrainError(f"train packet: index {index} of a train of {count}")
+    return TrainPacket(train_id, nonce, index, count)
+
+
+def encode_report(r: TrainReport) -> bytes:
+    head = _REPORT.pack(
+        MAGIC,
+        VERSION,
+        KIND_REPORT,
+        r.train_id,
+        r.nonce,
+        r.received,
+        r.count,
+        r.bytes,
+        r.first_rx_ns,
+    )
+    return head + b"".join(_ENTRY.pack(i, off) for i, off in r.arrivals)
+
+
+def decode_report(data: bytes) -> TrainReport:
+    _check_head(data, KIND_REPORT, "train report")
+    if len(data) < _REPORT.size:
+        raise TrainError(f"train report: {len(data)} bytes is too short")
+    _, _, _, train_id, nonce, received, count, nbytes, first = _REPORT.unpack_from(data)
+    if not 0 < count <= MAX_TRAIN_PACKETS or received > count:
+        raise TrainError(f"train report: {received} of {count} packets")
+    if len(data) != _REPORT.size + received * _ENTRY.size:
+        raise TrainError(f"train report: {len(data)} bytes for {received} entries")
+    arrivals = tuple(
+        _ENTRY.unpack_from(data, _REPORT.size + k * _ENTRY.size) for k in range(received)
+    )
+    if any(i >= count for i, _ in arrivals):
+        raise TrainError("train report: an index beyond the train")
+    if any(b[1] < a[1] for a, b in itertools.pairwise(arrivals)):
+        raise TrainError("train report: arrival times go backwards")
+    return TrainReport(train_id, nonce, count, nbytes, first, arrivals)
+
+
+# --- kernel receive timestamps ----------------------------------------------------------
+
+
+def enable_rx_timestamps(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+
+def kernel_rx_ns(ancdata: Sequence[tuple[int, int, bytes]]) -> int | None:
+    """The ``SCM_TIMESTAMPNS`` receive time in ``recvmsg`` ancillary data, or None."""
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
+            sec, nsec = _TIMESPEC.unpack_from(data)
+            return int(sec) * 1_000_000_000 + int(nsec)
+    return None
+
+
+_CMSG_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
+
+
+# --- the math ---------------------------------------------------------------------------
+
+
+def train_capacity_mbit(report: TrainReport, packet_bytes: int) -> float | None:
+    """Capacity seen by one train (Mbit/s at the level of ``packet_bytes``), or None.
+
+    The bytes after the first packet crossed the bottleneck between the first and the
+    last arrival; fewer than two arrivals or no measurable spread give no answer.
+    """
+    if report.received < 2:
+        return None
+    span_ns = report.arrivals[-1][1] - report.arrivals[0][1]
+    if span_ns <= 0:
+        return None
+    return (report.received - 1) * packet_bytes * 8 * 1000.0 / span_ns
+
+
+def combine(capacities: Sequence[float], loss_fraction: float) -> tuple[float, float]:
+    """Median of the trains' capacities and a confidence in 0..1.
+
+    Confidence = spread term x loss term x count term, where the spread term is
+    ``1 - 5 * MAD / median`` (1 when the trains agree, 0 when they scatter by 20 %),
+    the loss term ``1 - 2 * loss`` (packets lost inside trains blur the dispersion;
+    50 % loss gives 0) and the count term ``min(1, trains / 3)`` (one train is a guess).
+    """
+    if not capacities:
+        raise ValueError("no train capacities to combine")
+    med = statistics.median(capacities)
+    mad = statistics.median(abs(c - med) for c in capacities)
+    spread = max(0.0, 1.0 - 5.0 * mad / med) if med > 0 else 0.0
+    loss = max(0.0, 1.0 - 2.0 * loss_fraction)
+    count = min(1.0, len(capacities) / 3.0)
+    return med, round(spread * loss * count, 3)
+
+
+def wire_bytes(packet_bytes: int, overhead: int = WG_IPV4_OVERHEAD, pad: int = WG_PADDING) -> int:
+    """Size on the underlay of a ``packet_bytes`` packet carried by a tunnel."""
+    return math.ceil(packet_bytes / pad) * pad + overhead
+
+
+def probe_level_mbit(
+    underlay_mbit: float,
+    packet_bytes: int,
+    overhead: int = WG_IPV4_OVERHEAD,
+    pad: int = WG_PADDING,
+) -> float:
+    """What a train of ``packet_bytes`` packets should measure over an underlay rate."""
+    return underlay_mbit * packet_bytes / wire_bytes(packet_bytes, overhead, pad)
+
+
+@dataclass(frozen=True)
+class BandwidthEstimate:
+    """Path capacity from packet trains.
+
+    ``capacity_mbit`` counts whole IP packets of ``packet_bytes`` (IP and UDP headers
+    included); ``bytes_spent`` is every byte this estimate put on the path or got back
+    (train packets and reports, IP level).
+    """
+
+    capacity_mbit: float
+    confidence: float  # 0..1, see combine()
+    trains_used: int
+    bytes_spent: int
+    duration_s: float
+    packet_bytes: int
+    trains_sent: int = 0
+    packets_lost: int = 0
+    per_train_mbit: tuple[float, ...] = field(default=())
+
+    def underlay_mbit(self, overhead: int = WG_IPV4_OVERHEAD, pad: int = WG_PADDING) -> float:
+        """The rate on the underlay when each probe packet is padded to ``pad`` and gets
+        ``overhead`` bytes (WireGuard over IPv4: 16 and 60; over IPv6: 16 and 80)."""
+        return self.capacity_mbit * wire_bytes(self.packet_bytes, overhead, pad) / self.packet_bytes
+
+    def to_json(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+# --- responder --------------------------------------------------------------------------
+
+
+@dataclass
+class _Train:
+    nonce: bytes
+    count: int
+    peer: tuple[object, ...]  # where the report goes (the last packet's source)
+    first_rx_ns: int
+    last_seen: float  # monotonic
+    bytes: int = 0
+    arrivals: list[tuple[int, int]] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+
+
+def _scope_id(scope: str | None) -> int:
+    if scope is None or scope == "":
+        return 0
+    if scope.isdigit():
+        return int(scope)
+    try:
+        return socket.if_nametoindex(scope)
+    except OSError as exc:
+        raise MeshoptError(f"unknown interface {scope!r} for the address scope") from exc
+
+
+def _sockaddr(address: str, port: int, scope: str | None) -> tuple[int, tuple[object, ...]]:
+    """Socket family and address tuple; ``fe80::1%wg0`` and ``scope=`` both work."""
+    host, _, inline_scope = address.partition("%")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError as exc:
+        raise MeshoptError(f"not an IP address: {address!r}") from exc
+    if ip.version == 4:
+        return socket.AF_INET, (host, port)
+    return socket.AF_INET6, (host, port, 0, _scope_id(scope or inline_scope or None))
+
+
+class TrainResponder:
+    """Receives trains on a dual-stack UDP socket and answers each with a report."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._trains: dict[tuple[object, int], _Train] = {}
+        self._finished: OrderedDict[tuple[object, int, bytes], None] = OrderedDict()
+        self._timer: asyncio.TimerHandle | None = None
+        self._logged: set[str] = set()
+        self.counters: dict[str, int] = {
+            "packets": 0,
+            "trains": 0,
+            "reports": 0,
+            "drop_garbage": 0,
+            "drop_oversized": 0,
+            "drop_nonce": 0,
+            "drop_late": 0,
+            "drop_busy": 0,
+            "drop_duplicate": 0,
+            "send_error": 0,
+        }
+
+    @property
+    def port(self) -> int:
+        if self._sock is None:
+            raise MeshoptError("train responder is not started")
+        return int(self._sock.getsockname()[1])
+
+    async def start(self, host: str = "::", port: int = TRAIN_PORT) -> None:
+        family, addr = _sockaddr(host, port, None)
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            enable_rx_timestamps(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            sock.setblocking(False)
+            sock.bind(addr)
+        except OSError as exc:
+            sock.close()
+            raise MeshoptError(f"train responder cannot listen on [{host}]:{port}: {exc}") from exc
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        self._trains.clear()
+
+    async def __aenter__(self) -> TrainResponder:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def _drop(self, reason: str, detail: str, peer: object) -> None:
+        self.counters[f"drop_{reason}"] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("train responder: dropped a packet from %s (%s): %s", peer, reason, detail)
+
+    def _readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(256):  # bounded: let the loop breathe under a flood
+            try:
+                data, anc, flags, peer = sock.recvmsg(MAX_PACKET_BYTES + 1, _CMSG_SPACE)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._drop("garbage", str(exc), None)
+                return
+            rx_ns = kernel_rx_ns(anc) or time.time_ns()
+            self._on_packet(data, flags, peer, rx_ns)
+
+    def _on_packet(self, data: bytes, flags: int, peer: tuple[object, ...], rx_ns: int) -> None:
+        self.counters["packets"] += 1
+        if len(data) > MAX_PACKET_BYTES or flags & socket.MSG_TRUNC:
+            self._drop("oversized", f"{len(data)} bytes", peer)
+            return
+        try:
+            p = decode_train_packet(data)
+        except TrainError as exc:
+            self._drop("garbage", str(exc), peer)
+            return
+        host = peer[0]
+        key = (host, p.train_id)
+        train = self._trains.get(key)
+        now = time.monotonic()
+        if train is None:
+            if (host, p.train_id, p.nonce) in self._finished:
+                self._drop("late", f"train {p.train_id} was already answered", peer)
+                return
+            if len(self._trains) >= MAX_TRAINS_IN_FLIGHT:
+                self._drop("busy", f"{len(self._trains)} trains in flight", peer)
+                return
+            train = _Train(p.nonce, p.count, peer, rx_ns, now)
+            self._trains[key] = train
+            self.counters["trains"] += 1
+            self._arm()
+        elif train.nonce != p.nonce or train.count != p.count:
+            self._drop("nonce", f"train {p.train_id} with another nonce or length", peer)
+            return
+        if p.index in train.seen:
+            self._drop("duplicate", f"index {p.index} of train {p.train_id} twice", peer)
+            return
+        train.seen.add(p.index)
+        train.peer = peer
+        train.last_seen = now
+        train.bytes += len(data)
+        offset = max(0, rx_ns - train.first_rx_ns)
+        train.arrivals.append((p.index, min(offset, 0xFFFFFFFF)))
+        if p.index == p.count - 1 or len(train.seen) == p.count:
+            self._answer(key)
+
+    def _answer(self, key: tuple[object, int]) -> None:
+        train = self._trains.pop(key)
+        peer = train.peer
+        self._finished[(key[0], key[1], train.nonce)] = None
+        while len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+        arrivals = sorted(train.arrivals, key=lambda a: a[1])
+        report = TrainReport(
+            key[1], train.nonce, train.count, train.bytes, train.first_rx_ns, tuple(arrivals)
+        )
+        if self._sock is None:
+            return
+        try:
+            self._sock.sendto(encode_report(report), peer)
+            self.counters["reports"] += 1
+        except OSError as exc:
+            self.counters["send_error"] += 1
+            log.debug("train responder: report to %s failed: %s", peer, exc)
+
+    def _arm(self) -> None:
+        if self._timer is None and self._loop is not None:
+            self._timer = self._loop.call_later(REPORT_IDLE_S, self._expire)
+
+    def _expire(self) -> None:
+        """Answer trains whose tail never came (lost), as they stand."""
+        self._timer = None
+        now = time.monotonic()
+        for key, train in list(self._trains.items()):
+            if now - train.last_seen >= REPORT_IDLE_S:
+                self._answer(key)
+        if self._trains:
+            self._arm()
+
+
+# --- sender -----------------------------------------------------------------------------
+
+
+def _send_train(sock: socket.socket, packets: Sequence[bytes]) -> int:
+    """Send back to back from a blocking socket (never a paced or scapy loop)."""
+    sent = 0
+    sock.setblocking(True)
+    try:
+        for pkt in packets:
+            sock.send(pkt)
+            sent += 1
+    finally:
+        sock.setblocking(False)
+    return sent
+
+
+async def _await_report(
+    sock: socket.socket, train_id: int, nonce: bytes, timeout_s: float, counts: dict[str, int]
+) -> TrainReport | None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (left := deadline - loop.time()) > 0:
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(sock, 65535), left)
+        except TimeoutError:
+            return None
+        counts["bytes_in"] += len(data)
+        try:
+            report = decode_report(data)
+        except TrainError:
+            counts["garbage"] += 1
+            continue
+        if report.train_id == train_id and report.nonce == nonce:
+            counts["reports"] += 1
+            return report
+        counts["stale"] += 1
+    return None
+
+
+async def estimate_capacity(
+    address: str,
+    *,
+    scope: str | None = None,
+    port: int = TRAIN_PORT,
+    packet_bytes: int = DEFAULT_PACKET_BYTES,
+    train_packets: int = DEFAULT_TRAIN_PACKETS,
+    trains: int = DEFAULT_TRAINS,
+    timeout_s: float = 1.0,
+    gap_s: float = DEFAULT_GAP_S,
+) -> BandwidthEstimate:
+    """Capacity of the path to a :class:`TrainResponder` at ``address`` (see module doc).
+
+    ``packet_bytes`` is the IP packet size of each probe (headers included); keep
+    ``packet_bytes * train_packets`` under the path's queue (64 KB in the lab).
+    Raises :class:`NoAnswerError` when no train gets a report.
+    """
+    if not 2 <= train_packets <= MAX_TRAIN_PACKETS:
+        raise MeshoptError(f"train_packets must be 2..{MAX_TRAIN_PACKETS}, not {train_packets}")
+    if trains < 1:
+        raise MeshoptError(f"trains must be >= 1, not {trains}")
+    family, dest = _sockaddr(address, port, scope)
+    headers = IPV4_UDP_HEADERS if family == socket.AF_INET else IPV6_UDP_HEADERS
+    payload = packet_bytes - headers
+    if not _TRAIN.size <= payload <= MAX_PACKET_BYTES:
+        raise MeshoptError(
+            f"packet_bytes must be {_TRAIN.size + headers}..{MAX_PACKET_BYTES + headers}, "
+            f"not {packet_bytes}"
+        )
+    counts = {"bytes_in": 0, "reports": 0, "garbage": 0, "stale": 0}
+    capacities: list[float] = []
+    sent_packets = 0
+    lost = 0
+    started = time.monotonic()
+    where = f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+        sock.setblocking(False)
+        try:
+            sock.connect(dest)  # replies from anywhere else never reach us
+        except OSError as exc:
+            raise NoAnswerError(f"no route to the train responder at {where}: {exc}") from exc
+        for n in range(trains):
+            if n:
+                await asyncio.sleep(gap_s)
+            nonce = os.urandom(8)
+            train_id = int.from_bytes(os.urandom(4), "big")
+            packets = [
+                encode_train_packet(TrainPacket(train_id, nonce, i, train_packets), payload)
+                for i in range(train_packets)
+            ]
+            try:
+                sent_packets += _send_train(sock, packets)
+                report = await _await_report(sock, train_id, nonce, timeout_s, counts)
+            except ConnectionRefusedError as exc:
+                raise NoAnswerError(f"no train responder at {where} (port unreachable)") from exc
+            except OSError as exc:
+                raise NoAnswerError(f"train to {where} failed: {exc}") from exc
+            if report is None:
+                lost += train_packets
+                continue
+            lost += train_packets - report.received
+            cap = train_capacity_mbit(report, packet_bytes)
+            if cap is not None:
+                capacities.append(cap)
+    duration = time.monotonic() - started
+    if not counts["reports"]:
+        raise NoAnswerError(f"the train responder at {where} answered none of {trains} trains")
+    if not capacities:
+        raise NoAnswerError(f"{where}: no train arrived with two packets or more")
+    capacity, confidence = combine(capacities, lost / max(1, sent_packets))
+    bytes_in = counts["bytes_in"] + counts["reports"] * headers
+    return BandwidthEstimate(
+        capacity_mbit=round(capacity, 3),
+        confidence=confidence,
+        trains_used=len(capacities),
+        bytes_spent=sent_packets * packet_bytes + bytes_in,
+        duration_s=round(duration, 4),
+        packet_bytes=packet_bytes,
+        trains_sent=trains,
+        packets_lost=lost,
+        per_train_mbit=tuple(round(c, 3) for c in capacities),
+    )
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+async def _serve(host: str, port: int) -> None:
+    responder = TrainResponder()
+    await responder.start(host, port)
+    print(f"READY {responder.port}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        responder.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m meshopt.probe.train", description="Packet-train capacity estimate."
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--serve", action="store_true", help="run a train responder")
+    mode.add_argument("--estimate", metavar="ADDRESS", help="estimate the path to ADDRESS")
+    parser.add_argument("--host", default="::", help="listen address for --serve")
+    parser.add_argument("--port", type=int, default=TRAIN_PORT)
+    parser.add_argument("--scope", help="interface of a link-local ADDRESS")
+    parser.add_argument("--packet-bytes", type=int, default=DEFAULT_PACKET_BYTES)
+    parser.add_argument("--train-packets", type=int, default=DEFAULT_TRAIN_PACKETS)
+    parser.add_argument("--trains", type=int, default=DEFAULT_TRAINS)
+    parser.add_argument("--timeout", type=float, default=1.0)
+    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        if args.serve:
+            with contextlib.suppress(KeyboardInterrupt):
+                asyncio.run(_serve(args.host, args.port))
+            return 0
+        est = asyncio.run(
+            estimate_capacity(
+                args.estimate,
+                scope=args.scope,
+                port=args.port,
+                packet_bytes=args.packet_bytes,
+                train_packets=args.train_packets,
+                trains=args.trains,
+                timeout_s=args.timeout,
+            )
+        )
+    except MeshoptError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(est.to_json()))
+    else:
+        print(
+            f"{est.capacity_mbit:.2f} Mbit/s (IP level, {est.packet_bytes}-byte packets), "
+            f"confidence {est.confidence:.2f}, {est.trains_used} trains, "
+            f"{est.bytes_spent} bytes, {est.duration_s * 1000:.0f} ms"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
