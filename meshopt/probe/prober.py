@@ -1,0 +1,591 @@
+"""The prober: UDP echo probes to every peer, RTT from kernel receive timestamps.
+
+Default rate, and what it trades
+================================
+A probe is one 30-byte UDP payload each way (:mod:`meshopt.probe.packet`). Through
+WireGuard each datagram costs its inner IP packet padded to a multiple of 16 plus
+WireGuard's 32 bytes and the outer IP and UDP headers (60 bytes over an IPv4 underlay,
+80 over IPv6). Probes go mostly to IPv6 link-local peers, so the inner packet is
+40 + 8 + 30 = 78 -> 80 bytes:
+
+==========================  ===============  ================  ===============
+inner / underlay            per datagram     request + reply   at 0.33 s (3/s)
+==========================  ===============  ================  ===============
+IPv6 in IPv4 (usual)        80 + 60 = 140 B  280 B             848 B/s
+IPv6 in IPv6                80 + 80 = 160 B  320 B             970 B/s
+IPv4 in IPv4                64 + 60 = 124 B  248 B             752 B/s
+==========================  ===============  ================  ===============
+
+So the budget of 1 kB/s per peer allows at most 1000 / 280 = 3.6 probes/s (IPv6 in
+IPv4) or 3.1 (IPv6 in IPv6); the default ``interval_s = 0.33`` fits both. (0.25 s
+would cost 1,120 B/s even over IPv4.) Padding above 2 bytes starts the next 16-byte
+step of the request.
+
+A peer is declared dead ``dead_after_s = 0.8`` s after its last reply, checked by a
+timer set for that moment (not when replies arrive), so ``on_change(name, False)``
+fires about 0.8 s after the last reply: within the 1 s the agent's local fail-over
+needs. At 0.33 s between probes one lost probe leaves a 0.66 s gap (tolerated); two
+in a row (0.99 s) declare the peer dead, so with independent loss ``p`` a healthy
+peer is falsely declared dead with probability about ``p**2`` per probe (1 % loss:
+once an hour per peer; 0.1 %: once in four days) and comes back at its next reply.
+Faster detection or fewer false alarms cost bytes: ``interval_s = 0.2`` with
+``dead_after_s = 0.7`` tolerates two losses (1,400 B/s); ``interval_s = 1`` with
+``dead_after_s = 3.5`` costs 280 B/s and takes 3.5 s. :meth:`ProbeConfig.bytes_per_s`
+gives the figure for any setting.
+
+Timing
+======
+Send stamps are ``time.time_ns()`` (CLOCK_REALTIME, the kernel's receive-stamp clock)
+taken right before ``sendto``; the RTT is the reply's kernel receive stamp minus that,
+minus the responder's own turnaround (its kernel receive stamp to its ``sendto``,
+carried in the reply). Without ancillary data the prober falls back to the time it
+read the reply and counts ``no_kernel_ts``. Scheduling, timeouts and liveness use
+``time.monotonic()`` (``dead_since`` is a monotonic time).
+
+Everything arrives on one dual-stack socket bound to ``[::]:0``. A reply whose nonce
+is not this prober's, whose seq was never sent (or belongs to a removed target), that
+repeats or that comes after ``timeout_s`` is dropped and counted (``wrong_nonce``,
+``unknown_seq``, ``duplicate``, ``late``; a late reply still proves the peer alive).
+
+``python -m meshopt.probe.prober --target n2=10.0.0.2 --duration 5`` probes for a
+while and prints the statistics as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import ipaddress
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshopt.errors import InputError
+from meshopt.probe.packet import (
+    MAX_PADDING,
+    MAX_PROBE_BYTES,
+    NONCE_BYTES,
+    PROBE_PORT,
+    Kind,
+    ProbeFormatError,
+    ProbePacket,
+    decode,
+    encode,
+    probe_bytes_per_s,
+)
+from meshopt.probe.stats import DEFAULT_HALF_LIFE_S, PeerWindow, ProbeStats
+from meshopt.probe.timestamps import TimerError, open_udp_socket, recv_timestamped
+
+log = logging.getLogger("meshopt.probe")
+
+__all__ = ["PROBE_PORT", "ProbeConfig", "Prober", "Target"]
+
+DRAIN = 64  # datagrams read per wake-up before yielding to the loop
+RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and late replies
+SLACK_S = 0.001  # a timer that fires this early still counts as due
+_SEQ_MOD = 2**32
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    interval_s: float = 0.33
+    dead_after_s: float = 0.8
+    window: int = 64
+    timeout_s: float = 1.0  # a probe without a reply by then counts as lost
+    port: int = PROBE_PORT
+    padding: int = 0
+    half_life_s: float = DEFAULT_HALF_LIFE_S  # of the smoothed RTT
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> InputError:
+            return InputError(f"probe config: {message}")
+
+        for name in ("interval_s", "dead_after_s", "timeout_s", "half_life_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise bad(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.dead_after_s <= self.interval_s:
+            raise bad(
+                f"dead_after_s ({self.dead_after_s}) must exceed interval_s "
+                f"({self.interval_s}), or a live peer is declared dead between two probes"
+            )
+        if not isinstance(self.window, int) or self.window < 1:
+            raise bad(f"window must be a whole number of probes >= 1, got {self.window!r}")
+        if not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise bad(f"port must be 1..65535, got {self.port!r}")
+        if not isinstance(self.padding, int) or not 0 <= self.padding <= MAX_PADDING:
+            raise bad(f"padding must be 0..{MAX_PADDING} bytes, got {self.padding!r}")
+
+    def bytes_per_s(self, *, inner_ipv6: bool = True, outer_ipv6: bool = False) -> float:
+        """Underlay bytes per second per peer, request and reply, WireGuard included."""
+        return probe_bytes_per_s(
+            self.interval_s, self.padding, inner_ipv6=inner_ipv6, outer_ipv6=outer_ipv6
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """A peer to probe. ``scope``: the interface of a link-local IPv6 address."""
+
+    name: str
+    address: str
+    scope: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise InputError(f"probe target {self.address!r}: empty name")
+        ip = self._ip()
+        if ip.version == 4 and self.scope is not None:
+            raise InputError(f"probe target {self.name}: a scope applies to IPv6 only")
+        if ip.is_link_local and ip.version == 6 and self.scope is None:
+            raise InputError(
+                f"probe target {self.name}: link-local {self.address} needs a scope "
+                "(the interface name)"
+            )
+
+    def _ip(self) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        try:
+            return ipaddress.ip_address(self.address)
+        except ValueError:
+            raise InputError(
+                f"probe target {self.name}: {self.address!r} is not an IP address"
+            ) from None
+
+    def sockaddr(self, port: int) -> tuple[str, int, int, int]:
+        """Where to send on a dual-stack socket: IPv4 as ``::ffff:a.b.c.d``."""
+        ip = self._ip()
+        if ip.version == 4:
+            return (f"::ffff:{ip}", port, 0, 0)
+        scope_id = 0
+        if self.scope is not None:
+            if self.scope.isdigit():
+                scope_id = int(self.scope)
+            else:
+                try:
+                    scope_id = socket.if_nametoindex(self.scope)
+                except OSError:
+                    raise InputError(
+                        f"probe target {self.name}: no interface {self.scope!r}"
+                    ) from None
+        return (str(ip), port, 0, scope_id)
+
+
+@dataclass(eq=False)
+class _Peer:
+    target: Target
+    sockaddr: tuple[str, int, int, int]
+    window: PeerWindow
+    next_send: float
+    alive: bool | None = None
+    last_reply: float | None = None
+    dead_since: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    peer: _Peer
+    send_ns: int
+    sent_at: float  # monotonic
+
+
+@dataclass
+class _Recent:
+    """Seqs that have an outcome: answered ("done") or timed out ("expired")."""
+
+    states: dict[int, tuple[str, _Peer]] = field(default_factory=dict)
+
+    def add(self, seq: int, state: str, peer: _Peer) -> None:
+        self.states.pop(seq, None)
+        self.states[seq] = (state, peer)
+        if len(self.states) > RECENT:
+            del self.states[next(iter(self.states))]
+
+
+class Prober:
+    def __init__(
+        self,
+        config: ProbeConfig | None = None,
+        *,
+        on_change: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        self.config = config if config is not None else ProbeConfig()
+        self.on_change = on_change
+        self.nonce = os.urandom(NONCE_BYTES)
+        self.timer_error = TimerError()
+        self.counters: dict[str, int] = {
+            "sent": 0,
+            "bad_packet": 0,
+            "wrong_nonce": 0,
+            "unknown_seq": 0,
+            "duplicate": 0,
+            "late": 0,
+            "no_kernel_ts": 0,
+            "clock_step": 0,
+            "send_error": 0,
+            "recv_error": 0,
+        }
+        self._peers: dict[str, _Peer] = {}
+        self._pending: dict[int, _Pending] = {}  # in send order
+        self._recent = _Recent()
+        self._next_seq = int.from_bytes(os.urandom(4), "big")
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._logged: set[str] = set()
+
+    # -- life cycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._sock is not None:
+            raise RuntimeError("prober already started")
+        try:
+            sock = open_udp_socket("::", 0)
+        except OSError as exc:
+            raise InputError(f"prober cannot open its dual-stack UDP socket: {exc}") from exc
+        self._loop = asyncio.get_running_loop()
+        self._sock = sock
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+        self._arm(time.monotonic())
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+
+    @property
+    def local_port(self) -> int:
+        if self._sock is None:
+            raise RuntimeError("prober not started")
+        return int(self._sock.getsockname()[1])
+
+    # -- targets ---------------------------------------------------------------------
+    def set_targets(self, targets: Iterable[Target]) -> None:
+        """Probe exactly these from now on; a removed or changed target's state is dropped.
+
+        Raises InputError (and changes nothing) for duplicate names or an unknown scope.
+        """
+        wanted: dict[str, tuple[Target, tuple[str, int, int, int]]] = {}
+        for t in targets:
+            if t.name in wanted:
+                raise InputError(f"probe targets: {t.name!r} given twice")
+            wanted[t.name] = (t, t.sockaddr(self.config.port))
+        for name, peer in list(self._peers.items()):
+            if name not in wanted or wanted[name][0] != peer.target:
+                self._drop_peer(name)
+        now = time.monotonic()
+        for name, (t, addr) in wanted.items():
+            if name not in self._peers:
+                window = PeerWindow(
+                    self.config.window, self.config.half_life_s, interval_s=self.config.interval_s
+                )
+                self._peers[name] = _Peer(t, addr, window, next_send=now)
+        if self._sock is not None:
+            self._arm(now)
+
+    def _drop_peer(self, name: str) -> None:
+        peer = self._peers.pop(name)
+        for seq in [s for s, p in self._pending.items() if p.peer is peer]:
+            del self._pending[seq]
+
+    @property
+    def targets(self) -> list[Target]:
+        return [p.target for p in self._peers.values()]
+
+    # -- what it knows ---------------------------------------------------------------
+    def stats(self, name: str) -> ProbeStats | None:
+        peer = self._peers.get(name)
+        return peer.window.stats() if peer is not None else None
+
+    def alive(self, name: str) -> bool | None:
+        """True/False once the peer has replied at least once; None before (or unknown)."""
+        peer = self._peers.get(name)
+        return peer.alive if peer is not None else None
+
+    def dead_since(self, name: str) -> float | None:
+        """``time.monotonic()`` when the peer was declared dead; None unless dead now."""
+        peer = self._peers.get(name)
+        return peer.dead_since if peer is not None else None
+
+    def bytes_sent(self, name: str) -> int:
+        """UDP payload bytes sent to the peer (see ``ProbeConfig.bytes_per_s`` for wire)."""
+        peer = self._peers.get(name)
+        return peer.bytes_sent if peer is not None else 0
+
+    def bytes_received(self, name: str) -> int:
+        peer = self._peers.get(name)
+        return peer.bytes_received if peer is not None else 0
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything above as plain data (for JSON)."""
+        peers: dict[str, Any] = {}
+        for name, peer in self._peers.items():
+            peers[name] = {
+                "address": peer.target.address,
+                "scope": peer.target.scope,
+                "alive": peer.alive,
+                "dead_since": peer.dead_since,
+                "bytes_sent": peer.bytes_sent,
+                "bytes_received": peer.bytes_received,
+                "stats": dataclasses.asdict(peer.window.stats()),
+            }
+        return {
+            "config": dataclasses.asdict(self.config),
+            "bytes_per_s_ipv6_in_ipv4": self.config.bytes_per_s(),
+            "peers": peers,
+            "counters": dict(self.counters),
+            "timer_error": self.timer_error.summary(),
+        }
+
+    # -- timer: sends, timeouts, deaths ----------------------------------------------
+    def _arm(self, now: float) -> None:
+        if self._loop is None:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        wake = self._next_wake(now)
+        delay = max(0.0, wake - now)
+        self._timer = self._loop.call_later(delay, self._on_timer)
+
+    def _next_wake(self, now: float) -> float:
+        wake = now + 1.0
+        for peer in self._peers.values():
+            wake = min(wake, peer.next_send)
+            if peer.alive and peer.last_reply is not None:
+                wake = min(wake, peer.last_reply + self.config.dead_after_s)
+        for pending in self._pending.values():  # the oldest times out first
+            wake = min(wake, pending.sent_at + self.config.timeout_s)
+            break
+        return wake
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        try:
+            self._tick(now)
+        finally:
+            if self._sock is not None:
+                self._arm(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        due = now + SLACK_S
+        cfg = self.config
+        while self._pending:
+            seq, pending = next(iter(self._pending.items()))
+            if pending.sent_at + cfg.timeout_s > due:
+                break
+            del self._pending[seq]
+            pending.peer.window.add_loss(seq, now)
+            self._recent.add(seq, "expired", pending.peer)
+        for peer in list(self._peers.values()):
+            dies_at = peer.last_reply + cfg.dead_after_s if peer.last_reply is not None else None
+            if peer.alive and dies_at is not None and dies_at <= due:
+                peer.alive = False
+                peer.dead_since = now
+                self._notify(peer.target.name, False)
+            if peer.next_send <= due:
+                self._send(peer)
+                peer.next_send += cfg.interval_s
+                if peer.next_send <= now:  # fell behind (a stalled loop): no burst
+                    peer.next_send = now + cfg.interval_s
+
+    def _send(self, peer: _Peer) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        seq = self._next_seq
+        self._next_seq = (seq + 1) % _SEQ_MOD
+        send_ns = time.time_ns()
+        data = encode(
+            ProbePacket(Kind.REQUEST, self.nonce, seq, send_ns, padding=self.config.padding)
+        )
+        sent_at = time.monotonic()
+        self._pending[seq] = _Pending(peer, send_ns, sent_at)
+        peer.window.add_sent(seq, sent_at)
+        self.counters["sent"] += 1
+        try:
+            sock.sendto(data, peer.sockaddr)
+        except OSError as exc:  # unreachable, no route, buffer full: the probe is lost
+            self.counters["send_error"] += 1
+            self._log_once(f"send:{exc.errno}", "probe to %s failed: %s", peer.target.name, exc)
+            return
+        peer.bytes_sent += len(data)
+
+    def _notify(self, name: str, alive: bool) -> None:
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(name, alive)
+        except Exception:
+            log.exception("prober: on_change(%r, %r) failed", name, alive)
+
+    # -- replies ---------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(DRAIN):
+            try:
+                data, addr, rx_ns = recv_timestamped(sock, MAX_PROBE_BYTES + 1)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self.counters["recv_error"] += 1
+                self._log_once("recv", "prober: recvmsg failed: %s", exc)
+                return
+            user_ns = time.time_ns()
+            if rx_ns is None:
+                self.counters["no_kernel_ts"] += 1
+                rx_ns = user_ns
+            else:
+                self.timer_error.add(rx_ns, user_ns)
+            self._handle(data, addr, rx_ns, time.monotonic())
+
+    def _handle(self, data: bytes, addr: object, rx_ns: int, now: float) -> None:
+        try:
+            reply = decode(data)
+        except ProbeFormatError as exc:
+            self._bad(exc.reason, addr, str(exc))
+            return
+        if reply.kind is not Kind.REPLY:
+            self._bad("not_reply", addr, f"a {reply.kind.name} sent to the prober")
+            return
+        if reply.nonce != self.nonce:
+            self._count("wrong_nonce", addr, "a reply with another prober's nonce")
+            return
+        pending = self._pending.get(reply.seq)
+        if pending is None:
+            state, peer = self._recent.states.get(reply.seq, ("unknown", None))
+            if state == "done":
+                self._count("duplicate", addr, f"a second reply to seq {reply.seq}")
+            elif (
+                state == "expired"
+                and peer is not None
+                and self._peers.get(peer.target.name) is peer
+            ):
+                self._count("late", addr, f"a reply after timeout_s to seq {reply.seq}")
+                self._replied(peer, now)
+            else:
+                self._count("unknown_seq", addr, f"a reply to seq {reply.seq}, never sent")
+            return
+        if reply.send_ns != pending.send_ns:
+            self._bad("bad_echo", addr, f"seq {reply.seq} echoes another send time")
+            return
+        del self._pending[reply.seq]
+        peer = pending.peer
+        peer.bytes_received += len(data)
+        self._recent.add(reply.seq, "done", peer)
+        self._replied(peer, now)
+        # Both stamps are CLOCK_REALTIME: a step between them (NTP) shows as a span the
+        # monotonic clock does not agree with. A turnaround longer than the whole round
+        # trip is a responder's lie.
+        span_ns = rx_ns - pending.send_ns
+        if not 0 < span_ns <= (now - pending.sent_at + SLACK_S) * 1e9:
+            self._count("clock_step", addr, f"a round trip of {span_ns} ns (clock stepped)")
+            return
+        rtt_ns = span_ns - reply.turnaround_ns
+        if rtt_ns <= 0:
+            self._bad("bad_turnaround", addr, f"turnaround {reply.turnaround_ns} ns >= RTT")
+            return
+        peer.window.add_reply(reply.seq, rtt_ns / 1e6, now)
+
+    def _replied(self, peer: _Peer, now: float) -> None:
+        peer.last_reply = now
+        if peer.alive is False:
+            peer.window.reset_smoothing()  # a path that comes back starts afresh
+            peer.alive = True
+            peer.dead_since = None
+            self._notify(peer.target.name, True)
+        elif peer.alive is None:
+            peer.alive = True
+        self._arm(now)
+
+    def _bad(self, reason: str, addr: object, detail: str) -> None:
+        key = f"bad_packet.{reason}"
+        self.counters["bad_packet"] += 1
+        self.counters[key] = self.counters.get(key, 0) + 1
+        self._log_once(key, "prober: dropped a datagram from %s: %s", addr, detail)
+
+    def _count(self, key: str, addr: object, detail: str) -> None:
+        self.counters[key] += 1
+        self._log_once(key, "prober: dropped %s from %s", detail, addr)
+
+    def _log_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(message + " (further ones are counted, not logged)", *args)
+
+
+# -- command line ----------------------------------------------------------------------
+def _parse_target(text: str) -> Target:
+    name, sep, rest = text.partition("=")
+    if not sep:
+        name, rest = text, text
+    address, _, scope = rest.partition("%")
+    return Target(name, address, scope or None)
+
+
+async def _probe_for(config: ProbeConfig, targets: list[Target], duration: float) -> dict[str, Any]:
+    prober = Prober(config)
+    prober.set_targets(targets)
+    await prober.start()
+    try:
+        await asyncio.sleep(duration)
+    finally:
+        await prober.close()
+    return prober.snapshot()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m meshopt.probe.prober",
+        description="Probe UDP echo responders for a while; print statistics as JSON.",
+    )
+    parser.add_argument(
+        "--target",
+        action="append",
+        required=True,
+        help="NAME=ADDRESS[%%SCOPE] (or just ADDRESS); repeat for more",
+    )
+    parser.add_argument("--duration", type=float, default=5.0)
+    defaults = ProbeConfig()
+    parser.add_argument("--interval", type=float, default=defaults.interval_s)
+    parser.add_argument("--dead-after", type=float, default=defaults.dead_after_s)
+    parser.add_argument("--timeout", type=float, default=defaults.timeout_s)
+    parser.add_argument("--window", type=int, default=defaults.window)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--padding", type=int, default=defaults.padding)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        config = ProbeConfig(
+            interval_s=args.interval,
+            dead_after_s=max(args.dead_after, args.interval * 2.4),
+            window=args.window,
+            timeout_s=args.timeout,
+            port=args.port,
+            padding=args.padding,
+        )
+        targets = [_parse_target(t) for t in args.target]
+        result = asyncio.run(_probe_for(config, targets, args.duration))
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
