@@ -7,6 +7,7 @@ import sys
 import click
 
 from meshopt import __version__
+from meshopt.cli.agent_cmd import agent_cmd
 from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
 from meshopt.cli.lab_cmd import lab_group
 from meshopt.cli.sim_cmd import sim_cmd
@@ -31,6 +32,7 @@ cli.add_command(routes_cmd)
 cli.add_command(gains_cmd)
 cli.add_command(topology_group)
 cli.add_command(lab_group)
+cli.add_command(agent_cmd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,223 @@
+"""The agent's configuration file (TOML), checked completely before anything starts.
+
+Every key has a default except ``node`` and ``mesh``; see ``agents/agent.toml`` for a
+commented example. Unknown keys are errors (a typo must not silently fall back to a
+default), and every error names the key.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+import tomllib
+from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from meshopt.errors import InputError
+
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+LAYOUTS = ("auto", "single", "per-peer")
+WIREGUARD_KINDS = ("auto", "kernel", "userspace")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Probe rate and dead-peer detection; see meshopt.probe.prober for the trade-off."""
+
+    interval_s: float = 0.33
+    dead_after_s: float = 0.8
+    window: int = 64
+    port: int = 51899
+
+
+@dataclass(frozen=True)
+class BandwidthSettings:
+    """Active capacity estimates: a few short packet trains per peer, rarely."""
+
+    enabled: bool = True
+    interval_s: float = 300.0
+    first_after_s: float = 5.0
+    port: int = 51898
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """Change-driven publishing with a periodic full snapshot."""
+
+    check_interval_s: float = 0.5
+    full_interval_s: float = 10.0
+    rtt_change_ms: float = 1.0
+    rtt_change_rel: float = 0.10
+    loss_change: float = 0.01
+
+
+@dataclass(frozen=True)
+class RouteSettings:
+    fast_table: int = 7701
+    bulk_table: int = 7702
+    rule_priority: int = 7701
+    withdraw_on_stop: bool = True
+    forwarding: bool = True
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    enabled: bool = False
+    directory: str = "/var/lib/meshopt/incoming"
+    port: int = 51897
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    mesh: str
+    node: str
+    interfaces: tuple[str, ...] = ("wg0",)
+    layout: str = "auto"
+    wireguard: str = "auto"
+    wireguard_run_dir: str = "/var/run/wireguard"
+    mesh_prefixes: tuple[str, ...] = ()
+    broker: str = "mqtt://127.0.0.1:1883"
+    controller_keys: tuple[str, ...] = ()
+    state_dir: str = "/var/lib/meshopt"
+    peer_poll_s: float = 1.0
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
+    bandwidth: BandwidthSettings = field(default_factory=BandwidthSettings)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+    routes: RouteSettings = field(default_factory=RouteSettings)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "probe": ProbeSettings,
+    "bandwidth": BandwidthSettings,
+    "telemetry": TelemetrySettings,
+    "routes": RouteSettings,
+    "transfer": TransferSettings,
+}
+
+
+def _coerce(where: str, value: Any, default: Any) -> Any:
+    """Check ``value`` against the type of the default; lists become tuples."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise InputError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InputError(f"{where} must be a whole number >= 0, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InputError(f"{where} must be a number, got {value!r}")
+        if not math.isfinite(value) or value < 0:
+            raise InputError(f"{where} must be a finite number >= 0, got {value!r}")
+        return float(value)
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise InputError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise InputError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(value)
+    raise AssertionError(f"no coercion for {where}")  # pragma: no cover
+
+
+def _default(f: Field[Any]) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return ""  # required strings (mesh, node)
+
+
+def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise InputError(f"unknown key {where}{unknown[0]} (known: {', '.join(sorted(known))})")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        if cls is AgentConfig and name in _SECTIONS:
+            if not isinstance(value, dict):
+                raise InputError(f"[{name}] must be a table")
+            kwargs[name] = _build(_SECTIONS[name], value, f"{name}.")
+        else:
+            kwargs[name] = _coerce(where + name, value, _default(known[name]))
+    return cls(**kwargs)
+
+
+def parse_config(data: dict[str, Any], *, source: str = "config") -> AgentConfig:
+    """An AgentConfig from parsed TOML, or InputError naming the bad key."""
+    agent = dict(data.get("agent", {})) if isinstance(data.get("agent"), dict) else None
+    if agent is None:
+        raise InputError("missing [agent] table", source=source)
+    rest = {k: v for k, v in data.items() if k != "agent"}
+    for key in rest:
+        if key not in _SECTIONS:
+            raise InputError(f"unknown table [{key}]", source=source)
+    for key in ("mesh", "node"):
+        if key not in agent:
+            raise InputError(f'[agent] needs {key} = "..."', source=source)
+    try:
+        cfg: AgentConfig = _build(AgentConfig, {**agent, **rest}, "")
+        check_config(cfg)
+    except InputError as exc:
+        raise InputError(exc.message, source=source) from None
+    return cfg
+
+
+def load_config(path: str | Path) -> AgentConfig:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read {p}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InputError(f"not valid TOML: {exc}", source=str(p)) from None
+    return parse_config(data, source=str(p))
+
+
+def check_config(cfg: AgentConfig) -> None:
+    for key, value in (("mesh", cfg.mesh), ("node", cfg.node)):
+        if not NAME.fullmatch(value):
+            raise InputError(f"{key} {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+    if cfg.layout not in LAYOUTS:
+        raise InputError(f"layout must be one of {', '.join(LAYOUTS)}, got {cfg.layout!r}")
+    if cfg.wireguard not in WIREGUARD_KINDS:
+        raise InputError(
+            f"wireguard must be one of {', '.join(WIREGUARD_KINDS)}, got {cfg.wireguard!r}"
+        )
+    if not cfg.interfaces:
+        raise InputError("interfaces must name at least one WireGuard interface (or glob)")
+    for p in cfg.mesh_prefixes:
+        try:
+            ipaddress.ip_network(p, strict=False)
+        except ValueError:
+            raise InputError(f"mesh_prefixes: {p!r} is not a prefix") from None
+    pr = cfg.probe
+    if pr.interval_s < 0.01:
+        raise InputError("probe.interval_s must be >= 0.01")
+    if pr.dead_after_s < 2 * pr.interval_s:
+        raise InputError("probe.dead_after_s must be at least two probe intervals")
+    for name, port in (
+        ("probe.port", pr.port),
+        ("bandwidth.port", cfg.bandwidth.port),
+        ("transfer.port", cfg.transfer.port),
+    ):
+        if not 1 <= port <= 65535:
+            raise InputError(f"{name} must be 1..65535")
+    r = cfg.routes
+    for name, table in (("fast_table", r.fast_table), ("bulk_table", r.bulk_table)):
+        if not 1 <= table < 2**32 or table in (253, 254, 255):
+            raise InputError(f"routes.{name} must be a table id other than local/main/default")
+    if r.fast_table == r.bulk_table:
+        raise InputError("routes.fast_table and routes.bulk_table must differ")
+    if cfg.telemetry.full_interval_s < cfg.telemetry.check_interval_s:
+        raise InputError("telemetry.full_interval_s must be >= telemetry.check_interval_s")

@@ -1,0 +1,430 @@
+"""The agent daemon: a thin asyncio shell around the pure parts of ``meshopt.agent``.
+
+Loops, all in one event loop:
+
+* **peers** (every ``peer_poll_s``): read the WireGuard interfaces, follow peers being
+  added and removed, keep probe addresses on the interfaces and in AllowedIPs;
+* **prober** (meshopt.probe): RTT, jitter, loss per peer; a flip between alive and dead
+  triggers an immediate re-plan, which is the local fail-over;
+* **telemetry**: publish on significant change, and a full snapshot periodically;
+* **bandwidth**: a few short packet trains per peer, rarely;
+* **bus**: receive this node's signed route set, verify, refuse replays, re-plan;
+* **apply**: one task that turns (route set, peers, liveness) into routes (pyroute2)
+  and AllowedIPs (UAPI or netlink), serialised so two plans never interleave.
+
+Fail-static: when the broker or the controller goes away nothing is withdrawn; the
+last routes stay and only local fail-over changes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from meshopt.agent.config import AgentConfig
+from meshopt.agent.netstate import NetState, set_sysctl
+from meshopt.agent.peers import PeerTracker
+from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
+from meshopt.agent.probeaddr import probe_address
+from meshopt.agent.state import AgentState, load_state, save_state
+from meshopt.agent.telemetry import Capacity, peer_report, significant, telemetry
+from meshopt.bus.client import BusClient
+from meshopt.bus.messages import AgentStatus, BusMessageError, PeerReport, RouteSet, encode
+from meshopt.bus.signing import load_public_key, verify_route_set
+from meshopt.bus.topics import Topics
+from meshopt.errors import MeshoptError
+from meshopt.install.routes import RouteInstaller
+from meshopt.probe.prober import ProbeConfig, Prober, Target
+from meshopt.probe.responder import Responder
+from meshopt.probe.train import TrainResponder, estimate_capacity
+from meshopt.wireguard import AsyncKernelBackend, AsyncUserspaceBackend, AsyncWireGuardBackend
+from meshopt.wireguard.kernel import kernel_wireguard_available
+from meshopt.wireguard.model import InterfaceState
+
+log = logging.getLogger("meshopt.agent")
+
+
+class Counters(dict[str, int]):
+    """Reason -> count; the first occurrence of each reason is logged, later ones counted."""
+
+    def hit(self, reason: str, detail: str = "") -> None:
+        if reason not in self:
+            log.warning(
+                "%s%s (logged once; counted in telemetry)", reason, f": {detail}" * bool(detail)
+            )
+        self[reason] = self.get(reason, 0) + 1
+
+
+def wireguard_backend(cfg: AgentConfig) -> AsyncWireGuardBackend:
+    kind = cfg.wireguard
+    if kind == "auto":
+        kind = "kernel" if kernel_wireguard_available() else "userspace"
+    if kind == "kernel":
+        return AsyncKernelBackend()
+    return AsyncUserspaceBackend(cfg.wireguard_run_dir)
+
+
+class Agent:
+    """One node's agent. ``await run()`` until cancelled; ``stop()`` ends it cleanly."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.wall = wall
+        self.topics = Topics(cfg.mesh)
+        self.counters = Counters()
+        self.tracker = PeerTracker(layout=cfg.layout)
+        self.wg = wireguard_backend(cfg)
+        self.net = NetState()
+        self.installer = RouteInstaller()
+        self.trusted = [load_public_key(k) for k in cfg.controller_keys]
+        self.state_path = Path(cfg.state_dir) / f"agent-{cfg.mesh}-{cfg.node}.json"
+        self.state: AgentState = load_state(self.state_path)
+        self.route_set: RouteSet | None = None
+        self.prober = Prober(
+            ProbeConfig(
+                interval_s=cfg.probe.interval_s,
+                dead_after_s=cfg.probe.dead_after_s,
+                window=cfg.probe.window,
+                port=cfg.probe.port,
+            ),
+            on_change=self._on_liveness,
+        )
+        self.responder = Responder()
+        self.trains = TrainResponder()
+        self.capacity: dict[str, Capacity] = {}
+        self.addresses: list[str] = []
+        self.interfaces: list[str] = []
+        self.seq = 0
+        self.last_published: dict[str, PeerReport] = {}
+        self.last_full = -1e18
+        self.installed_routes = 0
+        self.failed_over: set[tuple[str, str]] = set()
+        self._wake = asyncio.Event()
+        self._ready = asyncio.Event()
+        self.bus = BusClient(
+            cfg.broker,
+            client_id=f"meshopt-agent-{cfg.mesh}-{cfg.node}",
+            will=(self.topics.status(cfg.node), self._status(False, "agent lost"), True),
+            subscriptions=[self.topics.routes(cfg.node)],
+        )
+        self.bus.on_connect = self._on_connect
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self._setup()
+        tasks = [
+            asyncio.create_task(self._peers_loop(), name="peers"),
+            asyncio.create_task(self._apply_loop(), name="apply"),
+            asyncio.create_task(self._telemetry_loop(), name="telemetry"),
+            asyncio.create_task(self.bus.run(self._on_message), name="bus"),
+        ]
+        if self.cfg.bandwidth.enabled:
+            tasks.append(asyncio.create_task(self._bandwidth_loop(), name="bandwidth"))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                t.result()  # a loop that died is a bug: surface it
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._teardown()
+
+    async def _setup(self) -> None:
+        await self.net.open()
+        await self.installer.open()
+        if self.cfg.routes.forwarding:
+            set_sysctl("net.ipv4.ip_forward", "1")
+            set_sysctl("net.ipv6.conf.all.forwarding", "1")
+            # Relayed traffic arrives on one tunnel and its replies may leave by another.
+            set_sysctl("net.ipv4.conf.all.rp_filter", "0")
+        await self.responder.start(port=self.cfg.probe.port)
+        if self.cfg.bandwidth.enabled:
+            await self.trains.start(port=self.cfg.bandwidth.port)
+        await self.prober.start()
+        await self._poll_peers()
+        if not self.trusted:
+            log.warning("no controller_keys configured: measuring only, no route is installed")
+        log.info(
+            "agent %s/%s up: interfaces %s, %d peers",
+            self.cfg.mesh,
+            self.cfg.node,
+            ",".join(self.interfaces),
+            len(self.tracker.peers),
+        )
+
+    async def _teardown(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.cfg.routes.withdraw_on_stop:
+                await self.withdraw()
+        with contextlib.suppress(Exception):
+            await self.bus.publish(
+                self.topics.status(self.cfg.node),
+                self._status(False, "stopped"),
+                retain=True,
+                qos=1,
+            )
+        await self.prober.close()
+        self.responder.close()
+        self.trains.close()
+        await self.installer.close()
+        await self.net.close()
+
+    async def withdraw(self) -> None:
+        """Remove our routes and give every peer back its AllowedIPs from before us."""
+        removed = await self.installer.withdraw()
+        merged: dict[str, dict[str, tuple[str, ...]]] = {}
+        for k, p in self.tracker.peers.items():
+            if p.layout == "single":
+                merged.setdefault(p.ifname, {})[k] = tuple(
+                    self.state.baseline.get(k, p.allowed_ips)
+                )
+        for ifname, update in allowed_ips_updates(self.tracker.peers, merged).items():
+            await self.wg.apply(ifname, update)
+        log.info("withdrew %d routes and restored AllowedIPs", removed)
+
+    # --- peers ------------------------------------------------------------------------
+
+    async def _read_interfaces(self) -> dict[str, InterfaceState]:
+        names = await self.net.match_interfaces(self.cfg.interfaces)
+        out: dict[str, InterfaceState] = {}
+        for name in names:
+            try:
+                out[name] = await self.wg.get(name)
+            except MeshoptError as exc:
+                # Not a WireGuard interface (a glob matched too much) or it is going away.
+                self.counters.hit("interface_unreadable", f"{name}: {exc}")
+        return out
+
+    async def _poll_peers(self) -> None:
+        readings = await self._read_interfaces()
+        self.interfaces = sorted(readings)
+        added, removed = self.tracker.update(readings, self.clock(), self.wall())
+        changed = bool(added or removed)
+        for key in added:
+            p = self.tracker.peers[key]
+            if key not in self.state.baseline:
+                self.state.baseline[key] = list(p.allowed_ips)
+                save_state(self.state_path, self.state)
+            log.info("peer %s on %s", key[:8], p.ifname)
+        for key in removed:
+            self.capacity.pop(key, None)
+            log.info("peer %s gone", key[:8])
+        links = await self.net.links()
+        addrs = await self.net.addresses()
+        own: list[str] = []
+        for ifname, state in readings.items():
+            index = links.get(ifname)
+            if index is None or not state.public_key:
+                continue
+            own.extend(addrs.get(index, []))
+            if await self.net.ensure_link_local(index, probe_address(state.public_key)):
+                changed = True
+        self.addresses = own_prefixes_from(own)
+        self.prober.set_targets(
+            Target(name=k, address=p.probe_address, scope=p.ifname)
+            for k, p in self.tracker.peers.items()
+        )
+        if changed or self._allowed_ips_drift():
+            self._wake.set()
+        self._ready.set()
+
+    def _allowed_ips_drift(self) -> bool:
+        plan = self._plan()
+        return bool(allowed_ips_updates(self.tracker.peers, plan.allowed_ips))
+
+    async def _peers_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.peer_poll_s)
+            try:
+                await self._poll_peers()
+            except MeshoptError as exc:
+                self.counters.hit("poll_failed", str(exc))
+
+    # --- routes -----------------------------------------------------------------------
+
+    def _on_liveness(self, key: str, alive: bool) -> None:
+        log.info("peer %s %s", key[:8], "alive" if alive else "DEAD")
+        self._wake.set()
+
+    def _plan(self) -> NodePlan:
+        mesh = list(self.cfg.mesh_prefixes) or self._implied_mesh_prefixes()
+        return plan_node(
+            self.route_set.routes if self.route_set is not None else [],
+            self.tracker.peers,
+            self.prober.alive,
+            mesh_prefixes=mesh,
+            own_prefixes=self.addresses,
+            baseline=self.state.baseline,
+            fast_table=self.cfg.routes.fast_table,
+            bulk_table=self.cfg.routes.bulk_table,
+        )
+
+    def _implied_mesh_prefixes(self) -> list[str]:
+        """Without ``mesh_prefixes``: the networks of our interface addresses and baselines."""
+        import ipaddress
+
+        out: set[str] = set()
+        for prefixes in self.state.baseline.values():
+            for p in prefixes:
+                net = ipaddress.ip_network(p, strict=False)
+                if net.prefixlen > 0 and not net.is_link_local:
+                    out.add(str(net))
+        return sorted(out)
+
+    async def _apply_loop(self) -> None:
+        await self._ready.wait()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.apply()
+            except MeshoptError as exc:
+                self.counters.hit("apply_failed", str(exc))
+
+    async def apply(self) -> None:
+        """Bring routes and AllowedIPs to the current plan (idempotent)."""
+        plan = self._plan()
+        for rej in plan.rejected:
+            self.counters.hit(f"route_{rej.reason}", f"{rej.route.dst} via {rej.route.via[:8]}")
+        now_failed = {(f.dst, f.table) for f in plan.failovers}
+        for f in plan.failovers:
+            if (f.dst, f.table) not in self.failed_over:
+                log.warning(
+                    "fail-over %s (%s): next hop %s dead, now %s",
+                    f.dst,
+                    f.table,
+                    f.primary[:8],
+                    f.now_via[:8] if f.now_via else "the direct tunnel",
+                )
+                self.counters["failovers"] = self.counters.get("failovers", 0) + 1
+        self.failed_over = now_failed
+        # AllowedIPs first when gaining a relay: a route steering into a tunnel whose
+        # peer would refuse the destination would black-hole it for a moment.
+        for ifname, update in allowed_ips_updates(self.tracker.peers, plan.allowed_ips).items():
+            await self.wg.apply(ifname, update)
+        if self.route_set is not None:
+            result = await self.installer.reconcile(plan.routes)
+            for err in result.errors:
+                self.counters.hit("route_refused", str(err))
+            self.installed_routes = len(plan.routes)
+        await self._poll_peers_quiet()
+
+    async def _poll_peers_quiet(self) -> None:
+        """Re-read AllowedIPs after a change so the next plan diffs against the truth."""
+        readings = await self._read_interfaces()
+        self.tracker.update(readings, self.clock(), self.wall())
+
+    # --- bus --------------------------------------------------------------------------
+
+    def _status(self, online: bool, reason: str = "") -> bytes:
+        return encode(
+            AgentStatus(
+                mesh=self.cfg.mesh,
+                node=self.cfg.node,
+                online=online,
+                since=self.wall(),
+                reason=reason,
+            )
+        )
+
+    async def _on_connect(self) -> None:
+        await self.bus.publish(
+            self.topics.status(self.cfg.node), self._status(True), retain=True, qos=1
+        )
+        self.last_full = -1e18  # a fresh full snapshot for whoever listens now
+
+    async def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
+        if topic != self.topics.routes(self.cfg.node):
+            return
+        if not payload:
+            return  # a cleared retained message
+        try:
+            rs = verify_route_set(payload, self.trusted, mesh=self.cfg.mesh, node=self.cfg.node)
+        except BusMessageError as exc:
+            self.counters.hit(f"routeset_{exc.reason}", str(exc))
+            return
+        installed = self.state.route_version
+        if rs.version < installed or (rs.version == installed and self.route_set is not None):
+            self.counters.hit("routeset_replay", f"version {rs.version} <= {installed}")
+            return
+        self.route_set = rs
+        if rs.version != installed:
+            self.state.route_version = rs.version
+            save_state(self.state_path, self.state)
+        log.info("route set v%d from %s: %d routes", rs.version, rs.controller, len(rs.routes))
+        self._wake.set()
+
+    # --- telemetry --------------------------------------------------------------------
+
+    def reports(self) -> dict[str, PeerReport]:
+        now = self.clock()
+        return {
+            k: peer_report(p, self.prober.stats(k), self.prober.alive(k), self.capacity.get(k), now)
+            for k, p in self.tracker.peers.items()
+        }
+
+    async def _telemetry_loop(self) -> None:
+        cfg = self.cfg.telemetry
+        while True:
+            await asyncio.sleep(cfg.check_interval_s)
+            reports = self.reports()
+            now = self.clock()
+            full = now - self.last_full >= cfg.full_interval_s
+            if not full and not significant(self.last_published, reports, cfg):
+                continue
+            self.seq += 1
+            counters = dict(self.counters)
+            for k, v in self.prober.counters.items():
+                counters[f"probe_{k}"] = v
+            for k, v in self.responder.counters.items():
+                counters[f"responder_{k}"] = v
+            msg = telemetry(
+                mesh=self.cfg.mesh,
+                node=self.cfg.node,
+                public_keys=[self.tracker.own_keys[i] for i in sorted(self.tracker.own_keys)],
+                addresses=self.addresses,
+                seq=self.seq,
+                sent_at=self.wall(),
+                full=full,
+                peers=list(reports.values()),
+                counters=counters,
+            )
+            if await self.bus.publish(self.topics.telemetry(self.cfg.node), encode(msg)):
+                self.last_published = reports
+                if full:
+                    self.last_full = now
+
+    # --- bandwidth --------------------------------------------------------------------
+
+    async def _bandwidth_loop(self) -> None:
+        cfg = self.cfg.bandwidth
+        await asyncio.sleep(cfg.first_after_s)
+        while True:
+            for key, peer in list(self.tracker.peers.items()):
+                if self.prober.alive(key) is not True:
+                    continue
+                try:
+                    est = await estimate_capacity(
+                        peer.probe_address, scope=peer.ifname, port=cfg.port
+                    )
+                except MeshoptError as exc:
+                    self.counters.hit("bandwidth_failed", f"{key[:8]}: {exc}")
+                    continue
+                self.capacity[key] = Capacity(est.capacity_mbit, est.confidence, self.clock())
+                self.counters["bandwidth_bytes"] = (
+                    self.counters.get("bandwidth_bytes", 0) + est.bytes_spent
+                )
+            await asyncio.sleep(cfg.interval_s)

@@ -1,0 +1,89 @@
+"""The agent's own namespace: its interfaces, their addresses, and two sysctls.
+
+A thin pyroute2 adapter (AsyncIPRoute in the current namespace: the agent runs inside
+the node it manages), kept apart so the daemon's logic stays testable without netlink.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import ipaddress
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from pyroute2 import AsyncIPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+log = logging.getLogger("meshopt.agent")
+
+IFA_F_NODAD = 0x02
+
+
+class NetState:
+    def __init__(self) -> None:
+        self._ipr: AsyncIPRoute | None = None
+
+    async def open(self) -> None:
+        self._ipr = AsyncIPRoute()
+        await self._ipr.setup_endpoint()
+
+    async def close(self) -> None:
+        if self._ipr is not None:
+            await self._ipr.close()
+            self._ipr = None
+
+    @property
+    def ipr(self) -> AsyncIPRoute:
+        if self._ipr is None:
+            raise RuntimeError("NetState is not open")
+        return self._ipr
+
+    async def links(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        async for msg in await self.ipr.link("dump"):
+            name = msg.get("ifname")
+            if isinstance(name, str):
+                out[name] = int(msg["index"])
+        return out
+
+    async def match_interfaces(self, patterns: Sequence[str]) -> list[str]:
+        """Interface names matching the configured names or globs (``wg-*``)."""
+        names = await self.links()
+        return sorted(n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns))
+
+    async def addresses(self) -> dict[int, list[str]]:
+        """ifindex -> ``address/prefixlen`` of every address in the namespace."""
+        out: dict[int, list[str]] = {}
+        async for msg in await self.ipr.addr("dump"):
+            addr = msg.get("address")
+            if isinstance(addr, str):
+                out.setdefault(int(msg["index"]), []).append(f"{addr}/{msg['prefixlen']}")
+        return out
+
+    async def ensure_link_local(self, ifindex: int, address: str) -> bool:
+        """Add ``address``/64 (no DAD: it is unique by construction); True if added."""
+        ip = ipaddress.IPv6Address(address)
+        try:
+            await self.ipr.addr(
+                "add", index=ifindex, address=str(ip), prefixlen=64, flags=IFA_F_NODAD
+            )
+        except NetlinkError as exc:
+            if exc.code == errno.EEXIST:
+                return False
+            raise
+        return True
+
+
+def set_sysctl(name: str, value: str) -> bool:
+    """Write ``net.ipv4.ip_forward``-style keys; False (logged) where not permitted."""
+    path = Path("/proc/sys") / name.replace(".", "/")
+    try:
+        if path.read_text().strip() == value:
+            return True
+        path.write_text(value)
+    except OSError as exc:
+        log.warning("cannot set %s=%s: %s", name, value, exc.strerror)
+        return False
+    return True

@@ -1,0 +1,125 @@
+"""Route sets to routes and AllowedIPs: relays, fail-over, refused routes, gap-free moves."""
+
+from __future__ import annotations
+
+from meshopt.agent.peers import PeerInfo
+from meshopt.agent.plan import allowed_ips_updates, own_prefixes_from, plan_node
+from meshopt.agent.probeaddr import probe_prefix
+from meshopt.bus.messages import Route
+from meshopt.wireguard.keys import generate_keypair
+
+B, C, D = (generate_keypair()[1] for _ in range(3))
+ME = generate_keypair()[1]
+ADDR = {B: "10.9.0.2/32", C: "10.9.0.3/32", D: "10.9.0.4/32"}
+
+
+def _peers(layout: str = "single") -> dict[str, PeerInfo]:
+    out = {}
+    for k, a in ADDR.items():
+        ifname = "wg0" if layout == "single" else f"wg-{a.split('.')[3][0]}"
+        allowed = (a,) if layout == "single" else ("0.0.0.0/0", "::/0")
+        out[k] = PeerInfo(
+            public_key=k,
+            ifname=ifname,
+            own_key=ME,
+            layout=layout,
+            allowed_ips=allowed,
+            endpoint=None,
+            handshake_age_s=None,
+            rx_bytes=0,
+            tx_bytes=0,
+        )
+    return out
+
+
+def _plan(routes: list[Route], layout: str = "single", dead: frozenset[str] = frozenset()):  # type: ignore[no-untyped-def]
+    peers = _peers(layout)
+    return plan_node(
+        routes,
+        peers,
+        lambda k: False if k in dead else True,
+        mesh_prefixes=["10.9.0.0/16"],
+        own_prefixes=["10.9.0.1/32"],
+        baseline={k: p.allowed_ips for k, p in peers.items()},
+        fast_table=7701,
+        bulk_table=7702,
+    )
+
+
+def test_relay_moves_allowed_ips_in_single_layout() -> None:
+    plan = _plan([Route(dst="10.9.0.2/32", via=C), Route(dst="10.9.0.3/32", via=C)])
+    assert [(r.dst, r.oif, r.table) for r in plan.routes] == [
+        ("10.9.0.2/32", "wg0", 7701),
+        ("10.9.0.3/32", "wg0", 7701),
+    ]
+    wg0 = plan.allowed_ips["wg0"]
+    assert "10.9.0.2/32" not in wg0[B] and probe_prefix(B) in wg0[B]
+    assert set(wg0[C]) == {"10.9.0.2/32", "10.9.0.3/32", probe_prefix(C)}
+    assert set(wg0[D]) == {"10.9.0.4/32", probe_prefix(D)}  # not routed: baseline kept
+    assert not plan.rejected and not plan.failovers
+
+
+def test_per_peer_layout_routes_choose_the_interface() -> None:
+    plan = _plan([Route(dst="10.9.0.2/32", via=C, table="fast")], layout="per-peer")
+    assert [(r.dst, r.oif) for r in plan.routes] == [("10.9.0.2/32", "wg-3")]
+    assert plan.allowed_ips["wg-2"][B] == ("0.0.0.0/0", "::/0")  # already covers probes
+
+
+def test_dead_next_hop_fails_over_to_backup_or_direct() -> None:
+    routes = [Route(dst="10.9.0.2/32", via=C, backup=D), Route(dst="10.9.0.4/32", via=C)]
+    plan = _plan(routes, dead=frozenset({C}))
+    assert [(r.dst, f.now_via) for r, f in zip(routes, plan.failovers, strict=True)] == [
+        ("10.9.0.2/32", D),
+        ("10.9.0.4/32", None),
+    ]
+    wg0 = plan.allowed_ips["wg0"]
+    assert "10.9.0.2/32" in wg0[D]
+    assert [r.dst for r in plan.routes] == ["10.9.0.2/32"]  # 10.9.0.4 falls back to main
+    assert "10.9.0.4/32" in wg0[D]  # its baseline owner, i.e. the direct tunnel
+    # Backup dead too: the route is withdrawn, never sent into a dead relay.
+    plan = _plan(routes[:1], dead=frozenset({C, D}))
+    assert not plan.routes and plan.failovers[0].now_via is None
+    assert "10.9.0.2/32" in plan.allowed_ips["wg0"][B]
+
+
+def test_bad_routes_are_refused_with_reasons_and_never_installed() -> None:
+    stranger = generate_keypair()[1]
+    routes = [
+        Route(dst="10.8.0.2/32", via=C),  # outside the mesh
+        Route(dst="10.9.0.5/32", via=stranger),  # unknown peer
+        Route(dst="10.9.0.1/32", via=C),  # our own address
+        Route(dst="10.9.0.2/32", via=C),
+        Route(dst="10.9.0.2/32", via=D),  # duplicate
+        Route(dst="10.9.0.3/32", via=B, table="bulk"),  # bulk differs from fast on one iface
+    ]
+    plan = _plan(routes)
+    assert [r.reason for r in plan.rejected] == [
+        "outside_mesh",
+        "unknown_peer",
+        "own_prefix",
+        "duplicate",
+        "bulk_needs_per_peer_layout",
+    ]
+    assert [r.dst for r in plan.routes] == ["10.9.0.2/32"]
+
+
+def test_allowed_ips_move_without_a_gap() -> None:
+    peers = _peers()
+    plan = _plan([Route(dst="10.9.0.2/32", via=C)])
+    updates = allowed_ips_updates(peers, plan.allowed_ips)
+    steps = updates["wg0"].peers
+    # The gaining peer comes first (adding to C takes the prefix from B atomically)...
+    first_gain = next(i for i, u in enumerate(steps) if "10.9.0.2/32" in u.allowed_ips)
+    assert steps[first_gain].public_key == C and not steps[first_gain].replace_allowed_ips
+    # ...and every step only updates existing peers, never creates one.
+    assert all(u.update_only for u in steps)
+    # Applying the plan's own result again needs nothing.
+    after = {
+        k: PeerInfo(**{**p.__dict__, "allowed_ips": plan.allowed_ips["wg0"][k]})
+        for k, p in peers.items()
+    }
+    assert allowed_ips_updates(after, plan.allowed_ips) == {}
+
+
+def test_own_prefixes_skip_link_local() -> None:
+    assert own_prefixes_from(["10.9.0.1/16", "fe80::1/64", "10.9.0.1/16"]) == ["10.9.0.1/32"]
