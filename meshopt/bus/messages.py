@@ -356,6 +356,16 @@ _envelope = msgspec.json.Decoder(_Envelope)
 _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 
 
+def _schema_or_json(data: bytes | bytearray | memoryview, exc: Exception) -> BusMessageError:
+    """msgspec stops at the first wrong type, before it has seen all the JSON: tell a
+    well-formed document of the wrong shape (bad_schema) from broken JSON (bad_json)."""
+    try:
+        msgspec.json.decode(data)
+    except msgspec.DecodeError as broken:
+        return _bad("bad_json", str(broken)[:200])
+    return _bad("bad_schema", str(exc)[:200])
+
+
 def encode(msg: Message) -> bytes:
     """JSON bytes of ``msg``; BusMessageError if a decoder would refuse it."""
     validate(msg)
@@ -371,7 +381,7 @@ def decode(data: bytes, kind: type[M], *, max_bytes: int = MAX_PAYLOAD_BYTES) ->
     try:
         env = _envelope.decode(data)
     except msgspec.ValidationError as exc:
-        raise _bad("bad_schema", str(exc)[:200]) from None
+        raise _schema_or_json(data, exc) from None
     except msgspec.DecodeError as exc:
         raise _bad("bad_json", str(exc)[:200]) from None
     if env.v != SCHEMA_VERSION:
@@ -382,8 +392,8 @@ def decode(data: bytes, kind: type[M], *, max_bytes: int = MAX_PAYLOAD_BYTES) ->
     try:
         msg: M = decoder.decode(data)
     except msgspec.ValidationError as exc:
-        raise _bad("bad_schema", str(exc)[:200]) from None
-    except msgspec.DecodeError as exc:  # pragma: no cover - the envelope parsed
+        raise _schema_or_json(data, exc) from None
+    except msgspec.DecodeError as exc:
         raise _bad("bad_json", str(exc)[:200]) from None
     validate(msg)
     return msg

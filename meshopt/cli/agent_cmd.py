@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
 import click
 
 from meshopt.agent.config import load_config
+from meshopt.agent.daemon import Agent
 
 
 @click.command("agent")
@@ -36,22 +38,15 @@ def agent_cmd(config_path: str, log_level: str, check: bool) -> None:
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    from meshopt.agent.daemon import Agent
-
     asyncio.run(_run(Agent(cfg)))
 
 
-async def _run(agent: object) -> None:
+async def _run(agent: Agent) -> None:
     """Run until a signal; the agent's own teardown (withdraw, offline status) then runs."""
-    from meshopt.agent.daemon import Agent
-
-    assert isinstance(agent, Agent)
     task = asyncio.current_task()
     assert task is not None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
-    try:
+    with contextlib.suppress(asyncio.CancelledError):
         await agent.run()
-    except asyncio.CancelledError:
-        pass

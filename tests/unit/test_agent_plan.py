@@ -37,7 +37,7 @@ def _plan(routes: list[Route], layout: str = "single", dead: frozenset[str] = fr
     return plan_node(
         routes,
         peers,
-        lambda k: False if k in dead else True,
+        lambda k: k not in dead,
         mesh_prefixes=["10.9.0.0/16"],
         own_prefixes=["10.9.0.1/32"],
         baseline={k: p.allowed_ips for k, p in peers.items()},
