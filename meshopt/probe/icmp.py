@@ -25,12 +25,11 @@ import time
 from dataclasses import dataclass
 
 from meshopt.errors import MeshoptError
-from meshopt.probe.train import enable_rx_timestamps, kernel_rx_ns
+from meshopt.probe.timestamps import enable_rx_timestamps, recv_timestamped
 
 ICMP_ECHO_REPLY = 0
 ICMPV6_ECHO_REPLY = 129
 IPV4_HEADER = 20
-_CMSG_SPACE = socket.CMSG_SPACE(16)  # one struct timespec
 IPV6_HEADER = 40
 ICMP_ECHO_HEADER = 8
 
@@ -164,12 +163,12 @@ class EchoSocket:
     def _drain(self, wanted: dict[int, bytes], got: dict[int, int]) -> None:
         while True:
             try:
-                data, anc, _, peer = self.sock.recvmsg(65535, _CMSG_SPACE)
+                data, peer, rx_ns = recv_timestamped(self.sock, 65535)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 return  # an ICMP error queued on the socket; the echo simply goes unanswered
-            rx = kernel_rx_ns(anc) or time.time_ns()
+            rx = rx_ns or time.time_ns()
             reply = _parse_reply(data, self.v6)
             if (
                 reply is None

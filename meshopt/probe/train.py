@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshopt.errors import MeshoptError
+from meshopt.probe.timestamps import enable_rx_timestamps, recv_timestamped
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,6 @@ MAGIC = b"MOTR"
 VERSION = 1
 KIND_TRAIN = 1
 KIND_REPORT = 2
-
-SO_TIMESTAMPNS = 35  # asm-generic/socket.h; Python has no constant for it
-_TIMESPEC = struct.Struct("@qq")
 
 _HEAD = struct.Struct("!4sBBI8s")  # magic, version, kind, train id, nonce
 _TRAIN = struct.Struct("!4sBBI8sHH")  # + index, count
@@ -103,7 +101,7 @@ class TrainError(MeshoptError):
     """A train packet or report that cannot be decoded (garbage, truncated, wrong kind)."""
 
 
-class NoAnswerError(MeshoptError):
+class TrainUnansweredError(MeshoptError):
     """The peer answered none of the trains: no responder, or the path is down."""
 
 
@@ -200,25 +198,6 @@ def decode_report(data: bytes) -> TrainReport:
     return TrainReport(train_id, nonce, count, nbytes, first, arrivals)
 
 
-# --- kernel receive timestamps ----------------------------------------------------------
-
-
-def enable_rx_timestamps(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-
-
-def kernel_rx_ns(ancdata: Sequence[tuple[int, int, bytes]]) -> int | None:
-    """The ``SCM_TIMESTAMPNS`` receive time in ``recvmsg`` ancillary data, or None."""
-    for level, kind, data in ancdata:
-        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(data) >= 16:
-            sec, nsec = _TIMESPEC.unpack_from(data)
-            return int(sec) * 1_000_000_000 + int(nsec)
-    return None
-
-
-_CMSG_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
-
-
 # --- the math ---------------------------------------------------------------------------
 
 
@@ -297,7 +276,9 @@ def combine(capacities: Sequence[float], loss_fraction: float) -> tuple[float, f
     return med, round(spread * loss * count, 3)
 
 
-def wire_bytes(packet_bytes: int, overhead: int = WG_IPV4_OVERHEAD, pad: int = WG_PADDING) -> int:
+def tunnel_packet_bytes(
+    packet_bytes: int, overhead: int = WG_IPV4_OVERHEAD, pad: int = WG_PADDING
+) -> int:
     """Size on the underlay of a ``packet_bytes`` packet carried by a tunnel."""
     return math.ceil(packet_bytes / pad) * pad + overhead
 
@@ -309,7 +290,7 @@ def probe_level_mbit(
     pad: int = WG_PADDING,
 ) -> float:
     """What a train of ``packet_bytes`` packets should measure over an underlay rate."""
-    return underlay_mbit * packet_bytes / wire_bytes(packet_bytes, overhead, pad)
+    return underlay_mbit * packet_bytes / tunnel_packet_bytes(packet_bytes, overhead, pad)
 
 
 @dataclass(frozen=True)
@@ -334,7 +315,11 @@ class BandwidthEstimate:
     def underlay_mbit(self, overhead: int = WG_IPV4_OVERHEAD, pad: int = WG_PADDING) -> float:
         """The rate on the underlay when each probe packet is padded to ``pad`` and gets
         ``overhead`` bytes (WireGuard over IPv4: 16 and 60; over IPv6: 16 and 80)."""
-        return self.capacity_mbit * wire_bytes(self.packet_bytes, overhead, pad) / self.packet_bytes
+        return (
+            self.capacity_mbit
+            * tunnel_packet_bytes(self.packet_bytes, overhead, pad)
+            / self.packet_bytes
+        )
 
     def to_json(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -453,18 +438,17 @@ class TrainResponder:
             return
         for _ in range(256):  # bounded: let the loop breathe under a flood
             try:
-                data, anc, flags, peer = sock.recvmsg(MAX_PACKET_BYTES + 1, _CMSG_SPACE)
+                data, peer, rx = recv_timestamped(sock, MAX_PACKET_BYTES + 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 self._drop("garbage", str(exc), None)
                 return
-            rx_ns = kernel_rx_ns(anc) or time.time_ns()
-            self._on_packet(data, flags, peer, rx_ns)
+            self._on_packet(data, peer, rx or time.time_ns())
 
-    def _on_packet(self, data: bytes, flags: int, peer: tuple[object, ...], rx_ns: int) -> None:
+    def _on_packet(self, data: bytes, peer: tuple[object, ...], rx_ns: int) -> None:
         self.counters["packets"] += 1
-        if len(data) > MAX_PACKET_BYTES or flags & socket.MSG_TRUNC:
+        if len(data) > MAX_PACKET_BYTES:
             self._drop("oversized", f"{len(data)} bytes", peer)
             return
         try:
@@ -590,7 +574,7 @@ async def estimate_capacity(
 
     ``packet_bytes`` is the IP packet size of each probe (headers included).
     ``train_packets`` fixes every train's length; None (default) sizes trains from
-    the estimate so far (see TARGET_DISPERSION_S). Raises :class:`NoAnswerError` when
+    the estimate so far (see TARGET_DISPERSION_S). Raises :class:`TrainUnansweredError` when
     no train gets a report.
     """
     if train_packets is not None and not 2 <= train_packets <= MAX_TRAIN_PACKETS:
@@ -618,7 +602,9 @@ async def estimate_capacity(
         try:
             sock.connect(dest)  # replies from anywhere else never reach us
         except OSError as exc:
-            raise NoAnswerError(f"no route to the train responder at {where}: {exc}") from exc
+            raise TrainUnansweredError(
+                f"no route to the train responder at {where}: {exc}"
+            ) from exc
         for n in range(trains):
             if n:
                 await asyncio.sleep(gap_s)
@@ -632,9 +618,11 @@ async def estimate_capacity(
                 sent_packets += _send_train(sock, packets)
                 report = await _await_report(sock, train_id, nonce, timeout_s, counts)
             except ConnectionRefusedError as exc:
-                raise NoAnswerError(f"no train responder at {where} (port unreachable)") from exc
+                raise TrainUnansweredError(
+                    f"no train responder at {where} (port unreachable)"
+                ) from exc
             except OSError as exc:
-                raise NoAnswerError(f"train to {where} failed: {exc}") from exc
+                raise TrainUnansweredError(f"train to {where} failed: {exc}") from exc
             if report is None:
                 lost += length
                 continue
@@ -648,9 +636,11 @@ async def estimate_capacity(
                 )
     duration = time.monotonic() - started
     if not counts["reports"]:
-        raise NoAnswerError(f"the train responder at {where} answered none of {trains} trains")
+        raise TrainUnansweredError(
+            f"the train responder at {where} answered none of {trains} trains"
+        )
     if not capacities:
-        raise NoAnswerError(f"{where}: no train arrived with two packets or more")
+        raise TrainUnansweredError(f"{where}: no train arrived with two packets or more")
     capacity, confidence = combine(capacities, lost / max(1, sent_packets))
     bytes_in = counts["bytes_in"] + counts["reports"] * headers
     return BandwidthEstimate(
