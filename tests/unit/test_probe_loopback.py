@@ -1,0 +1,276 @@
+"""The responder and the prober over real UDP sockets on 127.0.0.1 and ::1."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+
+from meshopt.errors import InputError
+from meshopt.probe.packet import (
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_PROBE_BYTES,
+    VERSION,
+    Kind,
+    ProbePacket,
+    decode,
+    encode,
+    reply_to,
+)
+from meshopt.probe.prober import ProbeConfig, Prober, Target
+from meshopt.probe.responder import Responder
+
+FAST = {"interval_s": 0.05, "dead_after_s": 0.2}
+
+
+async def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.01)
+
+
+def garbage(nonce: bytes = b"\0" * 8) -> dict[str, list[bytes]]:
+    """Datagrams every receiver must drop, by the reason it should count."""
+
+    def raw(kind: int = 1, version: int = VERSION, magic: bytes = MAGIC, length: int = 30) -> bytes:
+        return HEADER.pack(magic, version, kind, length, nonce, 1, 2, 0)
+
+    return {
+        "short": [b"", b"junk"],
+        "oversized": [bytes(MAX_PROBE_BYTES + 1), b"x" * 9000],
+        "bad_magic": [raw(magic=b"GE")],
+        "bad_version": [raw(version=9)],
+        "unknown_kind": [raw(kind=7)],
+        "bad_length": [raw(length=31)],
+    }
+
+
+@pytest.mark.parametrize(
+    ("bind", "target"),
+    [("::", "127.0.0.1"), ("::", "::1"), ("127.0.0.1", "127.0.0.1"), ("::1", "::1")],
+)
+def test_prober_and_responder_see_each_other(bind: str, target: str) -> None:
+    async def main() -> None:
+        responder = Responder()
+        await responder.start(bind, 0)
+        prober = Prober(ProbeConfig(port=responder.port, padding=10, **FAST))
+        prober.set_targets([Target("peer", target)])
+        await prober.start()
+        try:
+            await until(lambda: (s := prober.stats("peer")) is not None and s.received >= 10)
+        finally:
+            await prober.close()
+            responder.close()
+        s = prober.stats("peer")
+        assert s is not None and prober.alive("peer") is True
+        assert s.rtt_min_ms is not None and s.rtt_median_ms is not None
+        assert 0 < s.rtt_min_ms <= s.rtt_median_ms < 5.0
+        assert s.lost == 0 and s.samples == s.received
+        # every reply was timed by the kernel, none by the fallback
+        assert prober.counters["no_kernel_ts"] == 0
+        assert responder.counters["no_kernel_ts"] == 0
+        assert prober.timer_error.count == s.received
+        median = prober.timer_error.median_us()
+        assert median is not None and median > 0  # user space reads after the kernel stamp
+        assert prober.bytes_sent("peer") == (HEADER_BYTES + 10) * prober.counters["sent"]
+        assert prober.bytes_received("peer") == HEADER_BYTES * s.received  # replies unpadded
+        assert responder.counters["echoed"] >= s.received
+        assert responder.counters["bad_packet"] == prober.counters["bad_packet"] == 0
+
+    asyncio.run(main())
+
+
+def test_stopped_responder_is_declared_dead_within_a_second_and_comes_back() -> None:
+    events: list[tuple[str, bool, float]] = []
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        port = responder.port
+        config = ProbeConfig(port=port)  # the default rate and dead time
+        prober = Prober(config, on_change=lambda n, a: events.append((n, a, time.monotonic())))
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        try:
+            await until(lambda: prober.alive("peer") is True)
+            assert prober.dead_since("peer") is None
+            responder.close()
+            stopped = time.monotonic()  # the last reply came before this
+            await until(lambda: len(events) == 1, timeout=2.0)
+            assert events[0][:2] == ("peer", False)
+            assert events[0][2] - stopped <= 1.0
+            assert prober.alive("peer") is False
+            since = prober.dead_since("peer")
+            assert since is not None and since >= stopped
+            await responder.start("::", port)
+            restarted = time.monotonic()
+            await until(lambda: len(events) == 2, timeout=2.0)
+            assert events[1][:2] == ("peer", True)
+            assert events[1][2] - restarted <= config.interval_s + 0.2
+            assert prober.alive("peer") is True and prober.dead_since("peer") is None
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())
+    assert [a for _, a, _ in events] == [False, True]
+
+
+def test_responder_counts_garbage_logs_each_reason_once_and_keeps_answering(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    bad = garbage()
+    reply = encode(reply_to(ProbePacket(Kind.REQUEST, b"n" * 8, 1, 2), 0))
+    request = encode(ProbePacket(Kind.REQUEST, b"n" * 8, 42, 123, padding=100))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        responder = Responder()
+        await responder.start("::", 0)
+        try:
+            for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
+                with socket.socket(family, socket.SOCK_DGRAM) as raw:
+                    raw.setblocking(False)
+                    for datagrams in bad.values():
+                        for d in datagrams:
+                            raw.sendto(d, (host, responder.port))
+                    raw.sendto(reply, (host, responder.port))
+                    raw.sendto(request, (host, responder.port))
+                    data = await asyncio.wait_for(loop.sock_recv(raw, 2048), 2.0)
+                    back = decode(data)
+                    assert (back.kind, back.seq, back.send_ns) == (Kind.REPLY, 42, 123)
+                    assert back.nonce == b"n" * 8 and len(data) == HEADER_BYTES
+                    assert 0 < back.turnaround_ns < 1e9
+        finally:
+            responder.close()
+        c = responder.counters
+        assert c["echoed"] == 2
+        for reason, datagrams in bad.items():
+            assert c[f"bad_packet.{reason}"] == 2 * len(datagrams), reason
+        assert c["bad_packet.not_request"] == 2
+        assert c["bad_packet"] == 2 * (sum(len(d) for d in bad.values()) + 1)
+
+    with caplog.at_level(logging.WARNING, logger="meshopt.probe"):
+        asyncio.run(main())
+    messages = [r.getMessage() for r in caplog.records]
+    for reason in [*bad, "not_request"]:
+        assert sum(f"further {reason} drops" in m for m in messages) == 1, reason
+
+
+def test_prober_drops_and_counts_garbage_and_mismatched_replies() -> None:
+    """A real peer and a hostile one: every bad reply is counted, the real peer unharmed."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        responder = Responder()
+        await responder.start("::1", 0)
+        evil = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        evil.setblocking(False)
+        evil.bind(("127.0.0.1", responder.port))  # the config's port, on IPv4 only
+        prober = Prober(ProbeConfig(port=responder.port, timeout_s=0.15, **FAST))
+        prober.set_targets([Target("good", "::1"), Target("evil", "127.0.0.1")])
+        await prober.start()
+        try:
+            data, addr = await asyncio.wait_for(loop.sock_recvfrom(evil, 2048), 2.0)
+            req = decode(data)
+            assert req.kind is Kind.REQUEST and req.nonce == prober.nonce
+            good = reply_to(req, 0)
+            wrong_nonce = ProbePacket(Kind.REPLY, b"X" * 8, req.seq, req.send_ns)
+            unknown = ProbePacket(Kind.REPLY, req.nonce, req.seq ^ 0x8000_0000, req.send_ns)
+            bad_echo = ProbePacket(Kind.REPLY, req.nonce, req.seq, req.send_ns + 1)
+            hostile = [
+                *(d for ds in garbage(prober.nonce).values() for d in ds),
+                data,  # a request sent back
+                encode(wrong_nonce),
+                encode(unknown),
+                encode(bad_echo),
+                encode(good),
+                encode(good),  # a duplicate
+            ]
+            for d in hostile:
+                evil.sendto(d, addr)
+            # the next request is answered only after its timeout: late
+            data, addr = await asyncio.wait_for(loop.sock_recvfrom(evil, 2048), 2.0)
+            await asyncio.sleep(0.25)
+            evil.sendto(encode(reply_to(decode(data), 0)), addr)
+            await until(lambda: prober.counters["late"] == 1)
+            await until(lambda: (s := prober.stats("good")) is not None and s.received >= 5)
+        finally:
+            await prober.close()
+            responder.close()
+            evil.close()
+        c = prober.counters
+        n_garbage = sum(len(d) for d in garbage().values())
+        assert c["bad_packet"] == n_garbage + 2  # + the request + the bad echo
+        assert c["bad_packet.not_reply"] == 1 and c["bad_packet.bad_echo"] == 1
+        assert c["bad_packet.oversized"] == 2 and c["bad_packet.short"] == 2
+        assert (c["wrong_nonce"], c["unknown_seq"], c["duplicate"], c["late"]) == (1, 1, 1, 1)
+        evil_stats = prober.stats("evil")
+        assert evil_stats is not None and evil_stats.received == 1 and evil_stats.lost >= 1
+        good_stats = prober.stats("good")
+        assert good_stats is not None and good_stats.lost == 0
+        assert prober.alive("good") is True
+
+    asyncio.run(main())
+
+
+def test_targets_change_live_and_a_removed_targets_state_is_dropped() -> None:
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        prober = Prober(ProbeConfig(port=responder.port, **FAST))
+        a, b = Target("a", "::1"), Target("b", "127.0.0.1")
+        prober.set_targets([a])
+        await prober.start()
+        try:
+            prober.set_targets([a, b])  # added while running
+            await until(lambda: prober.alive("b") is True)
+            prober.set_targets([a])
+            assert prober.stats("b") is None and prober.alive("b") is None
+            assert prober.bytes_sent("b") == 0 and [t.name for t in prober.targets] == ["a"]
+            with pytest.raises(InputError, match="given twice"):
+                prober.set_targets([a, Target("a", "::2")])
+            assert [t.name for t in prober.targets] == ["a"]  # unchanged by the bad call
+            before = prober.stats("a")
+            assert before is not None
+            await until(lambda: (s := prober.stats("a")) is not None and s.sent > before.sent)
+            prober.set_targets([b])
+            await until(lambda: prober.alive("b") is True)
+            s = prober.stats("b")
+            assert s is not None and s.sent <= 3  # a fresh start, not the old counts
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())
+
+
+def test_a_failing_on_change_callback_does_not_stop_probing() -> None:
+    def boom(name: str, alive: bool) -> None:
+        raise RuntimeError("callback bug")
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        prober = Prober(ProbeConfig(port=responder.port, **FAST), on_change=boom)
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        try:
+            await until(lambda: prober.alive("peer") is True)
+            responder.close()
+            await until(lambda: prober.alive("peer") is False)
+            await responder.start("::", prober.config.port)
+            await until(lambda: prober.alive("peer") is True)
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())

@@ -1,0 +1,120 @@
+"""Per-peer probe statistics against hand-computed values and the simulator's estimator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshopt.probe.stats import PeerWindow, quantile
+from meshopt.sim.estimator import LinkEstimator
+
+RTTS = [10.0, 12.0, 11.0, 15.0, 10.5]
+
+
+def fed(rtts: list[float | None], **kwargs: float) -> PeerWindow:
+    """A window fed one probe per entry (None: lost), 1 s apart."""
+    w = PeerWindow(**kwargs)  # type: ignore[arg-type]
+    for seq, rtt in enumerate(rtts):
+        w.add_sent(seq, float(seq))
+        if rtt is None:
+            w.add_loss(seq, seq + 1.0)
+        else:
+            w.add_reply(seq, rtt, seq + 0.5)
+    return w
+
+
+def test_empty_window_has_no_rtt_figures() -> None:
+    s = PeerWindow().stats()
+    assert (s.sent, s.received, s.lost, s.loss, s.samples) == (0, 0, 0, 0.0, 0)
+    assert s.rtt_min_ms is s.rtt_median_ms is s.rtt_p95_ms is None
+    assert s.srtt_ms is s.jitter_ms is s.noise_ms is s.last_rtt_ms is s.rtt_std_ms is None
+
+
+def test_window_figures_by_hand() -> None:
+    # half-life = interval: each sample has weight 1/2
+    s = fed([10.0, 12.0, None, 11.0, 15.0, 10.5], half_life_s=1.0, interval_s=1.0).stats()
+    assert (s.sent, s.received, s.lost, s.samples) == (6, 5, 1, 5)
+    assert s.loss == pytest.approx(1 / 6)
+    assert s.rtt_min_ms == 10.0
+    assert s.rtt_median_ms == 11.0  # 10 10.5 [11] 12 15
+    assert s.rtt_p95_ms == pytest.approx(14.4)  # rank 0.95 * 4 = 3.8: 12 + 0.8 * (15 - 12)
+    assert s.last_rtt_ms == 10.5
+    # srtt: 10 -> 11 -> 11 -> 13 -> 11.75
+    assert s.srtt_ms == pytest.approx(11.75)
+    # RFC 3550: |D| = 2, 1, 4, 4.5; J += (|D| - J) / 16 from 0
+    j = 0.0
+    for d in (2.0, 1.0, 4.0, 4.5):
+        j += (d - j) / 16
+    assert j == pytest.approx(0.6735534668)
+    assert s.jitter_ms == pytest.approx(0.6735534668)
+
+
+def test_loss_and_quantiles_cover_only_the_window() -> None:
+    w = fed([None, None, 50.0, 1.0, 2.0, 3.0, None, 4.0], window=5)
+    s = w.stats()
+    assert (s.sent, s.received, s.lost) == (8, 5, 3)  # totals since start
+    assert s.samples == 4 and s.loss == pytest.approx(1 / 5)  # window: 1 2 3 lost 4
+    assert (s.rtt_min_ms, s.rtt_median_ms) == (1.0, 2.5)
+    assert s.rtt_p95_ms == pytest.approx(3.85)  # rank 2.85 of 1 2 3 4
+
+
+def test_an_outcome_counts_once() -> None:
+    w = fed([10.0])
+    assert not w.add_reply(0, 99.0, 2.0)
+    assert not w.add_loss(0, 2.0)
+    s = w.stats()
+    assert (s.received, s.lost, s.samples, s.srtt_ms) == (1, 0, 1, 10.0)
+
+
+def test_constant_rtt_has_no_jitter_or_noise() -> None:
+    s = fed([7.0] * 20).stats()
+    assert s.srtt_ms == 7.0 and s.jitter_ms == 0.0 and s.rtt_std_ms == 0.0 and s.noise_ms == 0.0
+
+
+def test_srtt_std_and_noise_match_the_simulators_estimator() -> None:
+    rng = np.random.default_rng(7)
+    samples = list(20.0 + rng.normal(0.0, 2.0, 300))
+    lost = rng.random(300) < 0.1
+    est = LinkEstimator(interval_s=0.33, rtt_half_life_s=2.0, dead_after=10**6)
+    est.reset(1)
+    w = PeerWindow(half_life_s=2.0, interval_s=0.33)
+    for seq, (x, gone) in enumerate(zip(samples, lost, strict=True)):
+        est.update(np.array([[x]]), np.array([[gone]]))
+        if gone:
+            w.add_loss(seq, seq * 0.33)
+        else:
+            w.add_reply(seq, x, seq * 0.33)
+        if seq in (1, 5, 40, 299):
+            s = w.stats()
+            assert s.srtt_ms == pytest.approx(est.srtt[0, 0])
+            assert s.rtt_std_ms == pytest.approx(est.jitter[0, 0])
+            assert s.noise_ms == pytest.approx(est.noise()[0, 0])
+    s = w.stats()
+    assert s.rtt_std_ms == pytest.approx(2.0, rel=0.35)  # about the samples' spread
+    a = w.alpha
+    assert s.noise_ms == pytest.approx(s.rtt_std_ms * (a / (2 - a)) ** 0.5, rel=1e-6)
+
+
+def test_reset_smoothing_restarts_from_the_next_sample() -> None:
+    w = fed([10.0, 30.0])
+    w.reset_smoothing()
+    w.add_reply(5, 100.0, 9.0)
+    s = w.stats()
+    assert s.srtt_ms == 100.0 and s.jitter_ms == 0.0 and s.noise_ms == 0.0
+    assert s.samples == 3  # the window keeps its samples
+
+
+def test_quantile_is_linear_between_ranks() -> None:
+    assert quantile([1.0], 0.95) == 1.0
+    assert quantile([1.0, 2.0], 0.5) == 1.5
+    assert quantile(list(range(101)), 0.95) == 95.0
+    assert quantile([0, 10], 0.95) == pytest.approx(np.quantile([0, 10], 0.95))
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+
+
+def test_bad_window_arguments() -> None:
+    with pytest.raises(ValueError):
+        PeerWindow(window=0)
+    with pytest.raises(ValueError):
+        PeerWindow(interval_s=0)
