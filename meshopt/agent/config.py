@@ -8,13 +8,12 @@ default), and every error names the key.
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
-import tomllib
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshopt.configfile import build, read_toml
 from meshopt.errors import InputError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -98,59 +97,6 @@ _SECTIONS: dict[str, type[Any]] = {
 }
 
 
-def _coerce(where: str, value: Any, default: Any) -> Any:
-    """Check ``value`` against the type of the default; lists become tuples."""
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise InputError(f"{where} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, int) and not isinstance(default, bool):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InputError(f"{where} must be a whole number >= 0, got {value!r}")
-        return value
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InputError(f"{where} must be a number, got {value!r}")
-        if not math.isfinite(value) or value < 0:
-            raise InputError(f"{where} must be a finite number >= 0, got {value!r}")
-        return float(value)
-    if isinstance(default, str):
-        if not isinstance(value, str):
-            raise InputError(f"{where} must be a string, got {value!r}")
-        return value
-    if isinstance(default, tuple):
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise InputError(f"{where} must be a list of strings, got {value!r}")
-        return tuple(value)
-    raise AssertionError(f"no coercion for {where}")  # pragma: no cover
-
-
-def _default(f: Field[Any]) -> Any:
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return ""  # required strings (mesh, node)
-
-
-def _build(cls: type[Any], data: dict[str, Any], where: str) -> Any:
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise InputError(f"unknown key {where}{unknown[0]} (known: {', '.join(sorted(known))})")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        if cls is AgentConfig and name in _SECTIONS:
-            if not isinstance(value, dict):
-                raise InputError(f"[{name}] must be a table")
-            kwargs[name] = _build(_SECTIONS[name], value, f"{name}.")
-        else:
-            kwargs[name] = _coerce(where + name, value, _default(known[name]))
-    return cls(**kwargs)
-
-
 def parse_config(data: dict[str, Any], *, source: str = "config") -> AgentConfig:
     """An AgentConfig from parsed TOML, or InputError naming the bad key."""
     agent = dict(data.get("agent", {})) if isinstance(data.get("agent"), dict) else None
@@ -164,7 +110,7 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> AgentConfig
         if key not in agent:
             raise InputError(f'[agent] needs {key} = "..."', source=source)
     try:
-        cfg: AgentConfig = _build(AgentConfig, {**agent, **rest}, "")
+        cfg: AgentConfig = build(AgentConfig, {**agent, **rest}, sections=_SECTIONS)
         check_config(cfg)
     except InputError as exc:
         raise InputError(exc.message, source=source) from None
@@ -172,16 +118,7 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> AgentConfig
 
 
 def load_config(path: str | Path) -> AgentConfig:
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise InputError(f"cannot read {p}: {exc.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise InputError(f"not valid TOML: {exc}", source=str(p)) from None
-    return parse_config(data, source=str(p))
+    return parse_config(read_toml(path), source=str(path))
 
 
 def check_config(cfg: AgentConfig) -> None:

@@ -31,7 +31,7 @@ class NetState:
 
     async def close(self) -> None:
         if self._ipr is not None:
-            await self._ipr.close()
+            self._ipr.close()
             self._ipr = None
 
     @property

@@ -115,6 +115,8 @@ class Telemetry(msgspec.Struct, kw_only=True, frozen=True):
     mesh: str
     node: str
     public_key: str
+    # Every interface's key (the per-peer layout has one per tunnel); peers report us by these.
+    public_keys: list[str] = msgspec.field(default_factory=list)
     addresses: list[str] = msgspec.field(default_factory=list)
     seq: int
     sent_at: float
@@ -294,6 +296,9 @@ def validate(msg: Message) -> None:
         _name(msg.mesh, "mesh")
         _name(msg.node, "node")
         _key(msg.public_key, "public_key")
+        _count(msg.public_keys, "public_keys", MAX_ADDRESSES)
+        for i, k in enumerate(msg.public_keys):
+            _key(k, f"public_keys[{i}]")
         _count(msg.addresses, "addresses", MAX_ADDRESSES)
         for i, a in enumerate(msg.addresses):
             _prefix(a, f"addresses[{i}]")
