@@ -250,7 +250,7 @@ def next_train_length(
     bounded by MIN_TRAIN_PACKETS, MAX_TRAIN_PACKETS and twice this one (a first train
     squeezed by a batch must not blow up the next); half this one after a lost tail.
     """
-    if report.received and max(i for i, _ in report.arrivals) < length - 1:
+    if report.received and max(i for i, _ in report.arrivals) < report.count - 1:
         return max(2, length // 2)  # the tail did not arrive: a queue overflowed
     if capacity_mbit <= 0:
         return length
