@@ -50,6 +50,8 @@ _METRICS = {
 }
 _FAMILIES = (socket.AF_INET, socket.AF_INET6)
 RTN_UNICAST = 1
+RT_SCOPE_LINK = 253
+RT_SCOPE_NOWHERE = 255
 
 
 class InstallError(MeshoptError):
@@ -269,6 +271,8 @@ class RouteInstaller:
         }
         if route.gateway is not None:
             args["gateway"] = route.gateway
+        else:  # on-link, as `ip route add PREFIX dev IF`: it can then validate a gateway
+            args["scope"] = RT_SCOPE_LINK
         metrics = {
             "mtu": route.mtu,
             "advmss": route.advmss,
@@ -308,6 +312,7 @@ class RouteInstaller:
             "table": route.table,
             "proto": self.proto,  # the kernel then deletes only a route of ours
             "priority": route.metric,
+            "scope": RT_SCOPE_NOWHERE,  # "any scope", as `ip route del` sends
         }
         if route.gateway is not None:
             args["gateway"] = route.gateway
