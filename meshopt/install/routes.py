@@ -150,7 +150,7 @@ class RouteInstaller:
         ipr = _pyroute2().AsyncIPRoute(**kwargs)
         try:
             await ipr.setup_endpoint()
-        except (OSError, Exception) as exc:
+        except Exception as exc:
             ipr.close()
             where = f"namespace {self.netns}" if self.netns else "this namespace"
             raise InstallError(f"cannot open rtnetlink in {where}: {_reason(exc)}") from exc
