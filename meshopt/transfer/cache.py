@@ -1,0 +1,198 @@
+"""On-disk caches: a content-addressed chunk store and stat-keyed file manifests.
+
+The chunk store keeps chunk blobs under their sha256 with a size cap; the least
+recently used blobs go first. Every read is checked against its name, so a damaged
+blob is a miss, never bad data. The manifest records remember what a file hashed to
+while its (device, inode, size, mtime, ctime) is unchanged, so a sender does not hash
+an unchanged file again and a receiver knows which chunks its current copy holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+from meshopt.transfer.chunking import DIGEST_SIZE, Manifest, chunk_digest
+
+
+class ChunkStore:
+    """Chunk blobs in ``root/ab/abcd...``, at most ``max_bytes`` in all (0: disabled)."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[bytes, int] = {}
+        self._used: dict[bytes, float] = {}
+        self.total = 0
+        self.evicted = 0
+        if max_bytes > 0:
+            root.mkdir(parents=True, exist_ok=True)
+            self._scan()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def _path(self, digest: bytes) -> Path:
+        h = digest.hex()
+        return self.root / h[:2] / h
+
+    def _scan(self) -> None:
+        for sub in self.root.iterdir():
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for f in sub.iterdir():
+                try:
+                    digest = bytes.fromhex(f.name)
+                    st = f.stat()
+                except (ValueError, OSError):
+                    continue
+                if len(digest) != DIGEST_SIZE or f.name.endswith(".tmp"):
+                    continue
+                self._sizes[digest] = st.st_size
+                self._used[digest] = st.st_mtime
+                self.total += st.st_size
+        self._evict(0)
+
+    def has(self, digest: bytes) -> bool:
+        with self._lock:
+            return digest in self._sizes
+
+    def get(self, digest: bytes) -> bytes | None:
+        """The chunk's bytes, or None when absent or damaged (a damaged blob is removed)."""
+        if not self.has(digest):
+            return None
+        path = self._path(digest)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self._forget(digest)
+            return None
+        if chunk_digest(data) != digest:
+            self._forget(digest)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        with self._lock:
+            self._used[digest] = _now()
+        return data
+
+    def put(self, digest: bytes, data: bytes | memoryview) -> bool:
+        """Store a chunk (best effort: a full disk or a chunk over the cap skips it)."""
+        size = len(data)
+        if not self.enabled or size > self.max_bytes or self.has(digest):
+            return False
+        path = self._path(digest)
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            return False
+        with self._lock:
+            self._sizes[digest] = size
+            self._used[digest] = _now()
+            self.total += size
+        self._evict(0)
+        return True
+
+    def _forget(self, digest: bytes) -> None:
+        with self._lock:
+            size = self._sizes.pop(digest, 0)
+            self._used.pop(digest, None)
+            self.total -= size
+
+    def _evict(self, room: int) -> None:
+        """Drop least recently used blobs until ``room`` more bytes fit under the cap."""
+        with self._lock:
+            if self.total + room <= self.max_bytes:
+                return
+            order = sorted(self._used, key=self._used.__getitem__)
+            victims = []
+            for digest in order:
+                if self.total + room <= self.max_bytes:
+                    break
+                victims.append(digest)
+                self.total -= self._sizes.pop(digest)
+                del self._used[digest]
+        for digest in victims:
+            with contextlib.suppress(OSError):
+                self._path(digest).unlink()
+            self.evicted += 1
+
+
+_clock = 0.0
+
+
+def _now() -> float:
+    """A strictly increasing use stamp (wall-clock ties would make eviction order vague)."""
+    global _clock
+    _clock = max(_clock + 1e-6, time.time())
+    return _clock
+
+
+class _Record(msgspec.Struct, frozen=True):
+    key: tuple[int, int, int, int, int]
+    size: int
+    file_hash: bytes
+    digests: bytes
+    lengths: list[int]
+
+
+def stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class ManifestCache:
+    """Manifests of files by absolute path, valid while the file's stat key is unchanged."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def _path(self, file: Path) -> Path:
+        name = hashlib.sha256(os.fsencode(file.absolute())).hexdigest()
+        return self.root / name[:2] / name
+
+    def get(self, file: Path) -> Manifest | None:
+        try:
+            st = file.stat()
+            rec = msgspec.msgpack.decode(self._path(file).read_bytes(), type=_Record)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if rec.key != stat_key(st):
+            return None
+        return Manifest(rec.size, rec.file_hash, rec.digests, tuple(rec.lengths))
+
+    def put(self, file: Path, manifest: Manifest, st: os.stat_result | None = None) -> None:
+        """Remember ``manifest`` for ``file`` (``st``: its stat when it was hashed)."""
+        try:
+            st = st or file.stat()
+            rec = _Record(
+                stat_key(st),
+                manifest.size,
+                manifest.file_hash,
+                manifest.digests,
+                list(manifest.lengths),
+            )
+            path = self._path(file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(msgspec.msgpack.encode(rec))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache: losing a record costs a re-hash, nothing more
+
+    def forget(self, file: Path) -> None:
+        with contextlib.suppress(OSError):
+            self._path(file).unlink()

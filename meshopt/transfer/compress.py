@@ -1,0 +1,158 @@
+"""When to compress, and how hard: a pure decision plus the measurements that feed it.
+
+Compression pays only while min(compress speed, decompress speed, ratio x link rate)
+exceeds the link rate (DESIGN.md): the compressor runs in its own thread beside the
+socket, so the slowest stage sets the pace. The sender re-decides per batch of chunks
+from the measured link rate and the speed and ratio it observes on the data itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import zstandard as zstd
+
+LEVELS = (1, 3, 6, 9, 12, 15, 19)
+DEFAULT_LEVEL = 3  # zstd's own default: used until the link rate is known
+MIN_RATIO = 1.03  # below this the data is treated as incompressible
+MARGIN = 1.05  # compression must beat sending raw by 5 % to be worth the CPU
+
+
+@dataclass(frozen=True)
+class LevelStats:
+    """What one zstd level does to this data on this machine (bytes per second)."""
+
+    level: int
+    compress_bps: float
+    decompress_bps: float
+    ratio: float
+
+    def effective_bps(self, link_bps: float) -> float:
+        """File bytes per second with this level: the slowest pipeline stage."""
+        return min(self.compress_bps, self.decompress_bps, self.ratio * link_bps)
+
+
+@dataclass(frozen=True)
+class Decision:
+    level: int | None  # None: send raw
+    expected_bps: float  # file bytes per second the choice should give (0: unknown)
+    reason: str
+
+
+def choose_level(
+    link_bps: float | None,
+    stats: Sequence[LevelStats],
+    *,
+    min_ratio: float = MIN_RATIO,
+    margin: float = MARGIN,
+) -> Decision:
+    """The level that delivers file bytes fastest, or None where raw is as fast.
+
+    ``link_bps`` None (not yet measured) gives zstd's default level on compressible
+    data, so the first batch neither wastes the link nor stalls on a slow level.
+    """
+    usable = [s for s in stats if s.ratio >= min_ratio]
+    if not usable:
+        return Decision(None, link_bps or 0.0, "incompressible")
+    if link_bps is None:
+        default = next((s for s in usable if s.level == DEFAULT_LEVEL), usable[0])
+        return Decision(default.level, 0.0, "link rate not yet measured")
+    best = max(usable, key=lambda s: (s.effective_bps(link_bps), s.ratio))
+    rate = best.effective_bps(link_bps)
+    if rate < margin * link_bps:
+        fastest = max(usable, key=lambda s: s.compress_bps)
+        if min(fastest.compress_bps, fastest.decompress_bps) < margin * link_bps:
+            return Decision(None, link_bps, "link faster than the compressor")
+        return Decision(None, link_bps, "ratio too low to pay")
+    return Decision(best.level, rate, f"level {best.level}: ~{rate / 1e6:.1f} MB/s")
+
+
+def measure_level(sample: Sequence[bytes], level: int) -> LevelStats:
+    """Compress ``sample`` (chunks, one stream, block flush per chunk) and decompress it."""
+    raw = sum(len(c) for c in sample)
+    t0 = time.perf_counter()
+    cobj = zstd.ZstdCompressor(level=level).compressobj()
+    parts = []
+    for c in sample:
+        parts.append(cobj.compress(c) + cobj.flush(zstd.COMPRESSOBJ_FLUSH_BLOCK))
+    t1 = time.perf_counter()
+    dobj = zstd.ZstdDecompressor().decompressobj()
+    for p in parts:
+        dobj.decompress(p)
+    t2 = time.perf_counter()
+    packed = max(1, sum(len(p) for p in parts))
+    return LevelStats(
+        level,
+        raw / max(t1 - t0, 1e-6),
+        raw / max(t2 - t1, 1e-6),
+        raw / packed,
+    )
+
+
+def calibrate(
+    sample: Sequence[bytes], link_bps: float | None, levels: Sequence[int] = LEVELS
+) -> list[LevelStats]:
+    """Measure levels from fastest to slowest; stop once one is slower than the link.
+
+    Higher levels only get slower, so measuring past that point wastes time.
+    """
+    out: list[LevelStats] = []
+    for level in levels:
+        s = measure_level(sample, level)
+        out.append(s)
+        if s.ratio < MIN_RATIO:
+            break  # incompressible: slower levels will not find more
+        if link_bps is not None and s.compress_bps < link_bps:
+            break
+    return out
+
+
+class Adaptive:
+    """Level choice during a transfer: calibration scaled by what batches really did."""
+
+    def __init__(self, stats: Sequence[LevelStats], link_bps: float | None) -> None:
+        self.stats = {s.level: s for s in stats}
+        self.link_bps = link_bps
+        self.fixed_link = link_bps is not None
+        self.history: list[Decision] = []
+
+    def decide(self) -> Decision:
+        d = choose_level(self.link_bps, list(self.stats.values()))
+        self.history.append(d)
+        return d
+
+    def observe_link(self, bps: float) -> None:
+        """A measured link rate (smoothed); ignored when the caller fixed the rate."""
+        if self.fixed_link or bps <= 0:
+            return
+        self.link_bps = bps if self.link_bps is None else 0.5 * self.link_bps + 0.5 * bps
+
+    def observe_batch(self, level: int, raw: int, packed: int, seconds: float) -> None:
+        """Scale every level's ratio and speed by how this level did against calibration."""
+        cal = self.stats.get(level)
+        if cal is None or raw == 0 or packed == 0:
+            return
+        ratio = raw / packed
+        speed = raw / max(seconds, 1e-6)
+        r_scale = ratio / cal.ratio
+        s_scale = speed / cal.compress_bps
+        # Smooth: one odd batch moves the estimates half way; incompressible data is
+        # believed at once (the next batch goes raw).
+        if ratio >= MIN_RATIO:
+            r_scale = 0.5 + 0.5 * r_scale
+        s_scale = 0.5 + 0.5 * s_scale
+        self.stats = {
+            lv: replace(s, ratio=s.ratio * r_scale, compress_bps=s.compress_bps * s_scale)
+            for lv, s in self.stats.items()
+        }
+
+    def observe_probe(self, probe: LevelStats) -> None:
+        """A level-1 probe while sending raw: compressible again re-opens calibration."""
+        cal = self.stats.get(probe.level)
+        if cal is None:
+            self.stats[probe.level] = probe
+            return
+        factor = probe.ratio / cal.ratio if cal.ratio > 0 else 1.0
+        self.stats = {lv: replace(s, ratio=s.ratio * factor) for lv, s in self.stats.items()}

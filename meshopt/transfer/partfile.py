@@ -1,0 +1,191 @@
+"""A file being received: a hidden partial file plus a state file of the chunks it holds.
+
+The final name only ever appears through one rename, after the whole-file hash of the
+partial file matched and it was fsynced; an interrupted transfer leaves the partial and
+its state so the next offer of the same file asks only for what is still missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import msgspec
+
+from meshopt.transfer.cache import ChunkStore
+from meshopt.transfer.chunking import Manifest, chunk_digest, file_sha256
+from meshopt.transfer.errors import TransferError
+from meshopt.transfer.safepath import PART_SUFFIX, STATE_SUFFIX
+
+STATE_EVERY_S = 1.0  # how often the state file catches up with the chunks written
+
+
+class _State(msgspec.Struct):
+    file_hash: bytes
+    size: int
+    count: int
+    done: bytes  # one byte per chunk: 1 = written to the partial file
+
+
+def part_paths(target: Path) -> tuple[Path, Path]:
+    return (
+        target.with_name(f".{target.name}{PART_SUFFIX}"),
+        target.with_name(f".{target.name}{STATE_SUFFIX}"),
+    )
+
+
+def no_space(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class PartFile:
+    """The partial file of one transfer; not shared between concurrent transfers."""
+
+    def __init__(self, target: Path, manifest: Manifest, fd: int, done: bytearray) -> None:
+        self.target = target
+        self.manifest = manifest
+        self.part, self.state = part_paths(target)
+        self.fd = fd
+        self.done = done
+        self.offsets = manifest.offsets()
+        self.resumed = sum(done)
+        self._saved_at = time.monotonic()
+        self._state_lock = threading.Lock()  # the cache fill runs in a thread
+
+    @classmethod
+    def open(cls, target: Path, manifest: Manifest) -> PartFile:
+        """Resume a matching partial file, or start a new one with its space reserved."""
+        part, state_path = part_paths(target)
+        st = _load_state(state_path)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        if (
+            st is not None
+            and st.file_hash == manifest.file_hash
+            and st.size == manifest.size
+            and st.count == manifest.count
+            and len(st.done) == manifest.count
+        ):
+            try:
+                fd = os.open(part, flags)
+                if os.fstat(fd).st_size == manifest.size:
+                    return cls(target, manifest, fd, bytearray(st.done))
+                os.close(fd)
+            except FileNotFoundError:
+                pass
+        with contextlib.suppress(FileNotFoundError):
+            state_path.unlink()
+        fd = os.open(part, flags | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            if manifest.size:
+                # Reserve the space now: a full disk fails here, before any byte is sent.
+                os.posix_fallocate(fd, 0, manifest.size)
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                part.unlink()
+            raise
+        return cls(target, manifest, fd, bytearray(manifest.count))
+
+    def missing(self) -> list[int]:
+        return [i for i, d in enumerate(self.done) if not d]
+
+    def write(self, i: int, data: bytes | memoryview) -> None:
+        os.pwrite(self.fd, data, self.offsets[i])
+        self.done[i] = 1
+        if time.monotonic() - self._saved_at >= STATE_EVERY_S:
+            self.save_state()
+
+    def fill(
+        self,
+        indices: Iterable[int],
+        store: ChunkStore,
+        basis: Path | None,
+        basis_offsets: dict[bytes, int],
+    ) -> list[int]:
+        """Copy chunks from the cache or the previous version; the indices that failed."""
+        failed: list[int] = []
+        bfd = None
+        if basis is not None:
+            with contextlib.suppress(OSError):
+                bfd = os.open(basis, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for i in indices:
+                digest = self.manifest.digest(i)
+                data = store.get(digest)
+                if data is None and bfd is not None and digest in basis_offsets:
+                    data = os.pread(bfd, self.manifest.lengths[i], basis_offsets[digest])
+                    if chunk_digest(data) != digest:
+                        data = None
+                if data is None:
+                    failed.append(i)
+                else:
+                    self.write(i, data)
+        finally:
+            if bfd is not None:
+                os.close(bfd)
+        return failed
+
+    def save_state(self) -> None:
+        with self._state_lock:
+            self._save_state()
+
+    def _save_state(self) -> None:
+        st = _State(
+            self.manifest.file_hash, self.manifest.size, self.manifest.count, bytes(self.done)
+        )
+        tmp = self.state.with_name(self.state.name + ".tmp")
+        try:
+            tmp.write_bytes(msgspec.msgpack.encode(st))
+            os.replace(tmp, self.state)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        self._saved_at = time.monotonic()
+
+    def finish(self) -> None:
+        """Check the whole-file hash, fsync, rename into place; a mismatch discards all."""
+        got = file_sha256(self.part)
+        if got != self.manifest.file_hash:
+            self.discard()
+            raise TransferError(
+                f"whole-file hash mismatch for {self.target.name}: file discarded",
+                code="hash-mismatch",
+            )
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.rename(self.part, self.target)
+        dfd = os.open(self.target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        with contextlib.suppress(FileNotFoundError):
+            self.state.unlink()
+
+    def close(self) -> None:
+        """Stop here, keeping the partial file and its state for a resume."""
+        if self.fd >= 0:
+            self.save_state()
+            os.close(self.fd)
+            self.fd = -1
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        for p in (self.part, self.state):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def _load_state(path: Path) -> _State | None:
+    try:
+        return msgspec.msgpack.decode(path.read_bytes(), type=_State)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
