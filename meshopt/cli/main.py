@@ -12,6 +12,7 @@ from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
 from meshopt.cli.lab_cmd import lab_group
 from meshopt.cli.sim_cmd import sim_cmd
 from meshopt.cli.topology_cmd import topology_group
+from meshopt.cli.transfer_cmd import transfer_group
 from meshopt.errors import MeshoptError
 
 
@@ -32,6 +33,7 @@ cli.add_command(routes_cmd)
 cli.add_command(gains_cmd)
 cli.add_command(topology_group)
 cli.add_command(lab_group)
+cli.add_command(transfer_group)
 cli.add_command(agent_cmd)
 
 
