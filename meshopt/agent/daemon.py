@@ -33,7 +33,14 @@ from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
 from meshopt.agent.telemetry import Capacity, peer_report, significant, telemetry
 from meshopt.bus.client import BusClient
-from meshopt.bus.messages import AgentStatus, BusMessageError, PeerReport, RouteSet, encode
+from meshopt.bus.messages import (
+    AgentStatus,
+    BusMessageError,
+    Counters,
+    PeerReport,
+    RouteSet,
+    encode,
+)
 from meshopt.bus.signing import load_public_key, verify_route_set
 from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
@@ -46,17 +53,6 @@ from meshopt.wireguard.kernel import kernel_wireguard_available
 from meshopt.wireguard.model import InterfaceState
 
 log = logging.getLogger("meshopt.agent")
-
-
-class Counters(dict[str, int]):
-    """Reason -> count; the first occurrence of each reason is logged, later ones counted."""
-
-    def hit(self, reason: str, detail: str = "") -> None:
-        if reason not in self:
-            log.warning(
-                "%s%s (logged once; counted in telemetry)", reason, f": {detail}" * bool(detail)
-            )
-        self[reason] = self.get(reason, 0) + 1
 
 
 def wireguard_backend(cfg: AgentConfig) -> AsyncWireGuardBackend:
@@ -82,7 +78,7 @@ class Agent:
         self.clock = clock
         self.wall = wall
         self.topics = Topics(cfg.mesh)
-        self.counters = Counters()
+        self.counters = Counters("agent dropped", log)
         self.tracker = PeerTracker(layout=cfg.layout)
         self.wg = wireguard_backend(cfg)
         self.net = NetState()
@@ -103,6 +99,7 @@ class Agent:
         self.responder = Responder()
         self.trains = TrainResponder()
         self.capacity: dict[str, Capacity] = {}
+        self.bandwidth_bytes = 0
         self.addresses: list[str] = []
         self.interfaces: list[str] = []
         self.seq = 0
@@ -205,7 +202,7 @@ class Agent:
                 out[name] = await self.wg.get(name)
             except MeshoptError as exc:
                 # Not a WireGuard interface (a glob matched too much) or it is going away.
-                self.counters.hit("interface_unreadable", f"{name}: {exc}")
+                self.counters.count("interface_unreadable", f"{name}: {exc}")
         return out
 
     async def _poll_peers(self) -> None:
@@ -251,7 +248,7 @@ class Agent:
             try:
                 await self._poll_peers()
             except MeshoptError as exc:
-                self.counters.hit("poll_failed", str(exc))
+                self.counters.count("poll_failed", str(exc))
 
     # --- routes -----------------------------------------------------------------------
 
@@ -292,13 +289,13 @@ class Agent:
             try:
                 await self.apply()
             except MeshoptError as exc:
-                self.counters.hit("apply_failed", str(exc))
+                self.counters.count("apply_failed", str(exc))
 
     async def apply(self) -> None:
         """Bring routes and AllowedIPs to the current plan (idempotent)."""
         plan = self._plan()
         for rej in plan.rejected:
-            self.counters.hit(f"route_{rej.reason}", f"{rej.route.dst} via {rej.route.via[:8]}")
+            self.counters.count(f"route_{rej.reason}", f"{rej.route.dst} via {rej.route.via[:8]}")
         now_failed = {(f.dst, f.table) for f in plan.failovers}
         for f in plan.failovers:
             if (f.dst, f.table) not in self.failed_over:
@@ -309,7 +306,7 @@ class Agent:
                     f.primary[:8],
                     f.now_via[:8] if f.now_via else "the direct tunnel",
                 )
-                self.counters["failovers"] = self.counters.get("failovers", 0) + 1
+                self.counters.count("failovers", f"{f.dst} via {f.now_via}")
         self.failed_over = now_failed
         # AllowedIPs first when gaining a relay: a route steering into a tunnel whose
         # peer would refuse the destination would black-hole it for a moment.
@@ -318,7 +315,7 @@ class Agent:
         if self.route_set is not None:
             result = await self.installer.reconcile(plan.routes)
             for err in result.errors:
-                self.counters.hit("route_refused", str(err))
+                self.counters.count("route_refused", str(err))
             self.installed_routes = len(plan.routes)
         await self._poll_peers_quiet()
 
@@ -354,11 +351,11 @@ class Agent:
         try:
             rs = verify_route_set(payload, self.trusted, mesh=self.cfg.mesh, node=self.cfg.node)
         except BusMessageError as exc:
-            self.counters.hit(f"routeset_{exc.reason}", str(exc))
+            self.counters.count(f"routeset_{exc.reason}", str(exc))
             return
         installed = self.state.route_version
         if rs.version < installed or (rs.version == installed and self.route_set is not None):
-            self.counters.hit("routeset_replay", f"version {rs.version} <= {installed}")
+            self.counters.count("routeset_replay", f"version {rs.version} <= {installed}")
             return
         self.route_set = rs
         if rs.version != installed:
@@ -386,7 +383,8 @@ class Agent:
             if not full and not significant(self.last_published, reports, cfg):
                 continue
             self.seq += 1
-            counters = dict(self.counters)
+            counters = self.counters.snapshot()
+            counters["bandwidth_bytes"] = self.bandwidth_bytes
             for k, v in self.prober.counters.items():
                 counters[f"probe_{k}"] = v
             for k, v in self.responder.counters.items():
@@ -421,10 +419,8 @@ class Agent:
                         peer.probe_address, scope=peer.ifname, port=cfg.port
                     )
                 except MeshoptError as exc:
-                    self.counters.hit("bandwidth_failed", f"{key[:8]}: {exc}")
+                    self.counters.count("bandwidth_failed", f"{key[:8]}: {exc}")
                     continue
                 self.capacity[key] = Capacity(est.capacity_mbit, est.confidence, self.clock())
-                self.counters["bandwidth_bytes"] = (
-                    self.counters.get("bandwidth_bytes", 0) + est.bytes_spent
-                )
+                self.bandwidth_bytes += est.bytes_spent
             await asyncio.sleep(cfg.interval_s)

@@ -9,8 +9,12 @@ import signal
 
 import click
 
+from typing import TYPE_CHECKING
+
 from meshopt.agent.config import load_config
-from meshopt.agent.daemon import Agent
+
+if TYPE_CHECKING:
+    from meshopt.agent.daemon import Agent
 
 
 @click.command("agent")
@@ -38,6 +42,8 @@ def agent_cmd(config_path: str, log_level: str, check: bool) -> None:
         level=getattr(logging, log_level.upper()),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    from meshopt.agent.daemon import Agent
+
     asyncio.run(_run(Agent(cfg)))
 
 

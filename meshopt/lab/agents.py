@@ -103,3 +103,73 @@ def start_agent(
 def agent_log(lab: Lab, node: str) -> str:
     path = lab_dir(lab.plan.lab_id) / "agents" / f"{node}.log"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def controller_key(lab: Lab) -> tuple[Path, str]:
+    """The lab's controller signing key (made once per lab) and its public key."""
+    from meshopt.bus.signing import (
+        generate_signing_key,
+        load_private_key,
+        public_key_b64,
+        save_private_key,
+    )
+
+    path = lab_dir(lab.plan.lab_id) / "controller.key"
+    if path.exists():
+        return path, public_key_b64(load_private_key(path))
+    key, public = generate_signing_key()
+    save_private_key(path, key)
+    return path, public
+
+
+def start_controller(
+    lab: Lab,
+    controller_id: str = "ctl1",
+    *,
+    settings: Mapping[str, Any] | None = None,
+    sections: Mapping[str, Mapping[str, Any]] | None = None,
+    log_level: str = "info",
+) -> subprocess.Popen[bytes]:
+    """Start ``meshopt controller`` in the lab's management namespace (next to the broker).
+
+    It is tagged like every lab process, so ``lab down`` ends it if it is still running.
+    """
+    from meshopt.lab import procs
+    from meshopt.lab.netns import netns_argv
+
+    key, _ = controller_key(lab)
+    top: dict[str, Any] = {
+        "mesh": lab.plan.name,
+        "id": controller_id,
+        "signing_key": str(key),
+        "broker": f"mqtt://{lab.plan.broker_ip}:1883",
+        "symmetric": lab.plan.layout == "single",
+        **(settings or {}),
+    }
+    cfg: dict[str, dict[str, Any]] = {"controller": top}
+    for table, values in (sections or {}).items():
+        cfg.setdefault(table, {}).update(values)
+    path = lab_dir(lab.plan.lab_id) / "controllers" / f"{controller_id}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_toml(cfg))
+    log = path.with_suffix(".log").open("ab")
+    argv = [sys.executable, "-m", "meshopt.cli.main", "controller", "--config", str(path)]
+    argv += ["--log-level", log_level]
+    import os
+
+    env = {**os.environ, procs.TAG: lab.plan.lab_id}
+    try:
+        return subprocess.Popen(
+            netns_argv(lab.plan.mgmt_netns, argv),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    finally:
+        log.close()
+
+
+def controller_log(lab: Lab, controller_id: str = "ctl1") -> str:
+    path = lab_dir(lab.plan.lab_id) / "controllers" / f"{controller_id}.log"
+    return path.read_text(errors="replace") if path.exists() else ""

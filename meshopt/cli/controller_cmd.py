@@ -1,0 +1,84 @@
+"""``meshopt controller``: run the controller, or make its signing key."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from meshopt.errors import InputError
+
+if TYPE_CHECKING:
+    from meshopt.controller.daemon import Controller
+
+
+@click.group("controller", invoke_without_command=True)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="Controller configuration (TOML; see agents/controller.toml).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
+@click.option("--check", is_flag=True, help="Check the configuration and exit.")
+@click.pass_context
+def controller_group(
+    ctx: click.Context, config_path: str | None, log_level: str, check: bool
+) -> None:
+    """Compute routes from the agents' telemetry and publish signed route sets.
+
+    Run several with the same mesh and key for a standby: one holds the lease on the
+    broker and publishes, the others take over within seconds when it dies.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if config_path is None:
+        raise InputError("meshopt controller needs --config FILE (or: controller keygen)")
+    from meshopt.controller.config import load_controller_config
+
+    cfg = load_controller_config(config_path)
+    if check:
+        click.echo(f"{config_path}: ok (mesh {cfg.mesh}, controller {cfg.id})")
+        return
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper()),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    from meshopt.controller.daemon import Controller
+
+    asyncio.run(_run(Controller(cfg)))
+
+
+async def _run(controller: Controller) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await controller.run()
+
+
+@controller_group.command("keygen")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Private key file.")
+@click.option("--force", is_flag=True, help="Overwrite an existing key file.")
+def keygen_cmd(out: str, force: bool) -> None:
+    """Make an Ed25519 signing key; print the public key agents put in controller_keys."""
+    from meshopt.bus.signing import generate_signing_key, save_private_key
+
+    path = Path(out)
+    if path.exists() and not force:
+        raise InputError(f"{path} exists; use --force to replace it (agents must then be updated)")
+    key, public = generate_signing_key()
+    save_private_key(path, key)
+    click.echo(public)

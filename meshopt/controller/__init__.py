@@ -1,0 +1,1 @@
+"""The controller: telemetry in, a graph, anti-flap routes, signed route sets out."""

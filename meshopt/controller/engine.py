@@ -1,0 +1,184 @@
+"""From the mesh view to one route set per node: the core's engine, policy and backups.
+
+Pure and clocked from outside, like the simulator's controller step (the very same
+calls: ``compute_routes``/``IncrementalRoutes``, ``add_backups``, ``decide``), so what
+the simulator predicts is what the controller does.
+
+* Before the first decision every pair is taken to be on its direct tunnel, with no
+  hold time: that is what agents have before any route set (the plain WireGuard routes),
+  so the first relays are installed as soon as measurements justify them, and are not
+  frozen for ``hold_s`` on the first, least-settled estimates.
+* Link-cost changes are applied to ``IncrementalRoutes`` one link at a time while few
+  links changed, with a full recompute otherwise or when nodes join or leave.
+* A controller taking over from another adopts the installed routes from the retained
+  route sets, so the policy's hysteresis survives the hand-over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from meshopt.bus.messages import Route, RouteSet
+from meshopt.controller.view import Matrices, MeshView
+from meshopt.policy import Decision, Installed, PolicyConfig, decide, reindex
+from meshopt.routing.backup import add_backups
+from meshopt.routing.incremental import IncrementalRoutes
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
+from meshopt.routing.widest import widest_routes
+
+
+@dataclass
+class Computed:
+    names: list[str]
+    matrices: Matrices
+    best: RouteTables
+    decision: Decision
+    routes: dict[str, list[Route]] = field(default_factory=dict)
+    bulk_next_hop: IntArray | None = None
+
+
+def _symmetrize(cost: FloatArray) -> FloatArray:
+    out: FloatArray = (cost + cost.T) / 2.0
+    return out
+
+
+def direct_installed(cost: FloatArray) -> Installed:
+    n = cost.shape[0]
+    nh = np.where(np.isfinite(cost), np.arange(n)[None, :], NO_ROUTE).astype(np.int64)
+    np.fill_diagonal(nh, np.arange(n))
+    return Installed(next_hop=nh, since=np.full((n, n), -np.inf))
+
+
+class RouteEngine:
+    def __init__(
+        self,
+        policy: PolicyConfig,
+        *,
+        relay_hop_ms: float = 2.0,
+        symmetric: bool = False,
+        bulk: bool = False,
+        max_incremental: int = 8,
+    ) -> None:
+        self.policy = policy
+        self.relay_hop_ms = relay_hop_ms
+        self.symmetric = symmetric
+        self.bulk = bulk
+        self.max_incremental = max_incremental
+        self.names: list[str] = []
+        self.installed: Installed | None = None
+        self._inc: IncrementalRoutes | None = None
+        self.stats = {"full": 0, "incremental": 0, "links_updated": 0}
+
+    def _routes(self, names: list[str], cost: FloatArray) -> RouteTables:
+        weights = _symmetrize(cost) if self.symmetric else cost
+        if self._inc is None or names != self._inc.tables.names:
+            self._inc = IncrementalRoutes(
+                weights, names, relay_hop_ms=self.relay_hop_ms, symmetric=self.symmetric
+            )
+            self.stats["full"] += 1
+        else:
+            old = self._inc.link_cost
+            same = (old == weights) | (np.isinf(old) & np.isinf(weights))
+            ii, jj = np.nonzero(~same)
+            pairs = [(i, j) for i, j in zip(ii.tolist(), jj.tolist(), strict=True)]
+            if self.symmetric:
+                pairs = [(i, j) for i, j in pairs if i < j]
+            if len(pairs) > self.max_incremental:
+                self._inc = IncrementalRoutes(
+                    weights, names, relay_hop_ms=self.relay_hop_ms, symmetric=self.symmetric
+                )
+                self.stats["full"] += 1
+            else:
+                for i, j in pairs:
+                    self._inc.update_link(i, j, float(weights[i, j]))
+                self.stats["incremental"] += 1
+                self.stats["links_updated"] += len(pairs)
+        return add_backups(self._inc.tables, cost, relay_hop_ms=self.relay_hop_ms)
+
+    def adopt(self, view: MeshView, route_sets: Mapping[str, RouteSet], now: float) -> None:
+        """Take the routes other controllers installed as ours (on taking over)."""
+        m = view.matrices(now)
+        names = m.names
+        index = {n: i for i, n in enumerate(names)}
+        owner_of_addr = {a: n.name for n in view.nodes.values() for a in n.addresses}
+        owner_of_key = view.node_of_key()
+        inst = direct_installed(m.cost)
+        for s_name, rs in route_sets.items():
+            s = index.get(s_name)
+            if s is None:
+                continue
+            for r in rs.routes:
+                d_name = owner_of_addr.get(r.dst)
+                via = owner_of_key.get(r.via)
+                if r.table == "fast" and d_name in index and via in index:
+                    inst.next_hop[s, index[d_name]] = index[via]
+        self.names = names
+        self.installed = inst
+
+    def compute(self, view: MeshView, now: float) -> Computed:
+        m = view.matrices(now)
+        names = m.names
+        if self.installed is None:
+            self.installed = direct_installed(m.cost)
+        elif names != self.names:
+            self.installed = reindex(self.installed, self.names, names)
+        self.names = names
+        best = self._routes(names, m.cost)
+        dec = decide(
+            self.installed,
+            best,
+            m.cost,
+            m.noise,
+            now,
+            self.policy,
+            relay_hop_ms=self.relay_hop_ms,
+            symmetric=self.symmetric,
+        )
+        self.installed = dec.installed
+        out = Computed(names=names, matrices=m, best=best, decision=dec)
+        if self.bulk and not self.symmetric:
+            bw = np.where(m.bandwidth > 0, m.bandwidth, np.nan)
+            out.bulk_next_hop = widest_routes(
+                bw, m.cost, names, relay_hop_ms=self.relay_hop_ms
+            ).next_hop
+        out.routes = route_sets(view, out)
+        return out
+
+
+def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
+    """The routes of every online node, by name; next hops named by the keys it knows."""
+    names = c.names
+    nh = c.decision.installed.next_hop
+    backup = c.best.backup
+    owner = view.node_of_key()
+    out: dict[str, list[Route]] = {}
+    for s, s_name in enumerate(names):
+        info = view.nodes[s_name]
+        if not info.online:
+            continue
+        key_for: dict[int, str] = {}
+        for key in info.peers:
+            o = owner.get(key)
+            if o is not None:
+                key_for[names.index(o)] = key
+        routes: list[Route] = []
+        for d, d_name in enumerate(names):
+            if d == s or not view.nodes[d_name].online:
+                continue
+            hop = int(nh[s, d])
+            if hop == NO_ROUTE or hop not in key_for:
+                continue
+            b = int(backup[s, d]) if backup is not None else NO_ROUTE
+            b_key = key_for.get(b) if b not in (NO_ROUTE, hop) else None
+            for addr in view.nodes[d_name].addresses:
+                routes.append(Route(dst=addr, via=key_for[hop], backup=b_key))
+            if c.bulk_next_hop is not None:
+                bh = int(c.bulk_next_hop[s, d])
+                if bh != NO_ROUTE and bh in key_for:
+                    for addr in view.nodes[d_name].addresses:
+                        routes.append(Route(dst=addr, via=key_for[bh], table="bulk"))
+        out[s_name] = routes
+    return out

@@ -1,0 +1,109 @@
+"""Who may publish route sets: a lease on the broker, held by one controller at a time.
+
+The lease is a retained message ``{controller, term, expires_at}``. The active
+controller renews it every third of ``lease_s``. A standby claims it (``term + 1``) when
+it has expired, or at once when the holder's will message says it is gone; it then
+waits ``settle_s`` and becomes active only if the retained lease it reads back is still
+its own claim (two standbys claiming together: the broker keeps the last, and the other
+backs off). A controller that sees a newer term than its own stops publishing at once.
+After connecting, a controller waits ``settle_s`` for the retained lease before it
+decides anything, so a restarted controller never overrides a live one.
+
+So two controllers never publish at the same time as long as clocks agree to within
+``lease_s - settle_s`` (NTP); route-set versions (time based, strictly increasing) and
+the agents' refusal of older versions cover the rest. Pure: times are passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from meshopt.bus.messages import Lease
+
+Role = Literal["starting", "standby", "claiming", "active"]
+
+
+@dataclass
+class LeaseKeeper:
+    mesh: str
+    me: str
+    lease_s: float = 3.0
+    settle_s: float = 0.5
+    role: Role = "starting"
+    current: Lease | None = None
+    holder_gone: bool = False
+    term: int = 0
+    started_at: float | None = None
+    claimed_at: float = 0.0
+    renewed_at: float = 0.0
+    became_active_at: float | None = None
+
+    def on_lease(self, lease: Lease) -> None:
+        self.current = lease
+        self.holder_gone = False
+        if self.role == "active" and lease.controller != self.me and lease.term >= self.term:
+            self.role = "standby"  # someone else holds a newer (or equal) term
+
+    def on_controller_offline(self, controller: str) -> None:
+        if self.current is not None and self.current.controller == controller != self.me:
+            self.holder_gone = True
+
+    def _lease(self, now: float) -> Lease:
+        return Lease(
+            mesh=self.mesh,
+            controller=self.me,
+            term=self.term,
+            expires_at=now + self.lease_s,
+            issued_at=now,
+        )
+
+    def tick(self, now: float) -> Lease | None:
+        """Advance; return a lease to publish (retained), if any."""
+        if self.started_at is None:
+            self.started_at = now
+        cur = self.current
+        if self.role == "starting":
+            if now - self.started_at < self.settle_s:
+                return None
+            self.role = "standby"
+        if self.role == "standby":
+            free = cur is None or cur.expires_at <= now or self.holder_gone
+            if cur is not None and cur.controller == self.me and cur.expires_at > now:
+                # Our own lease from before a restart: take it back at once.
+                self.term = cur.term
+                return self._activate(now)
+            if free:
+                self.term = (cur.term if cur is not None else 0) + 1
+                self.role = "claiming"
+                self.claimed_at = now
+                return self._lease(now)
+            return None
+        if self.role == "claiming":
+            if now - self.claimed_at < self.settle_s:
+                return None
+            if cur is not None and cur.controller == self.me and cur.term == self.term:
+                return self._activate(now)
+            self.role = "standby"
+            return None
+        # active
+        if now - self.renewed_at >= self.lease_s / 3:
+            self.renewed_at = now
+            return self._lease(now)
+        return None
+
+    def _activate(self, now: float) -> Lease:
+        self.role = "active"
+        self.became_active_at = now
+        self.renewed_at = now
+        return self._lease(now)
+
+    def may_publish(self, now: float) -> bool:
+        cur = self.current
+        return (
+            self.role == "active"
+            and cur is not None
+            and cur.controller == self.me
+            and cur.term == self.term
+            and now < cur.expires_at
+        )
