@@ -6,10 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 import click
-
-from typing import TYPE_CHECKING
 
 from meshopt.agent.config import load_config
 
