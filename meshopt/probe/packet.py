@@ -12,7 +12,8 @@
         18    8 send_ns        sender's CLOCK_REALTIME just before sendto, echoed
         26    4 turnaround_ns  REPLY: responder's time from its kernel rx stamp to its
                                sendto (0 in a REQUEST)
-        30      padding        REQUEST only (zeros); a REPLY is exactly 30 bytes
+        30      padding        REQUEST only (sent as zeros, content ignored); a REPLY
+                               is exactly 30 bytes
 
 Why this size: WireGuard pads its plaintext to a multiple of 16 bytes, so every UDP
 payload up to 32 bytes costs the same on the underlay (an IPv6 inner packet 40 + 8 + 30

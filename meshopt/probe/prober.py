@@ -48,7 +48,7 @@ repeats or that comes after ``timeout_s`` is dropped and counted (``wrong_nonce`
 ``unknown_seq``, ``duplicate``, ``late``; a late reply still proves the peer alive).
 
 ``python -m meshopt.probe.prober --target n2=10.0.0.2 --duration 5`` probes for a
-while and prints the statistics as JSON.
+while and prints the statistics as JSON (``--events``: a JSON line per flip first).
 """
 
 from __future__ import annotations
@@ -537,8 +537,16 @@ def _parse_target(text: str) -> Target:
     return Target(name, address, scope or None)
 
 
-async def _probe_for(config: ProbeConfig, targets: list[Target], duration: float) -> dict[str, Any]:
-    prober = Prober(config)
+def _print_change(name: str, alive: bool) -> None:
+    """One JSON line per alive/dead flip; ``t`` is ``time.monotonic()`` (host-wide)."""
+    line = {"event": "change", "name": name, "alive": alive, "t": time.monotonic()}
+    print(json.dumps(line), flush=True)
+
+
+async def _probe_for(
+    config: ProbeConfig, targets: list[Target], duration: float, events: bool
+) -> dict[str, Any]:
+    prober = Prober(config, on_change=_print_change if events else None)
     prober.set_targets(targets)
     await prober.start()
     try:
@@ -567,19 +575,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=defaults.window)
     parser.add_argument("--port", type=int, default=defaults.port)
     parser.add_argument("--padding", type=int, default=defaults.padding)
+    parser.add_argument(
+        "--events", action="store_true", help="print a JSON line when a peer dies or returns"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     try:
         config = ProbeConfig(
             interval_s=args.interval,
-            dead_after_s=max(args.dead_after, args.interval * 2.4),
+            dead_after_s=args.dead_after,
             window=args.window,
             timeout_s=args.timeout,
             port=args.port,
             padding=args.padding,
         )
         targets = [_parse_target(t) for t in args.target]
-        result = asyncio.run(_probe_for(config, targets, args.duration))
+        result = asyncio.run(_probe_for(config, targets, args.duration, args.events))
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
