@@ -510,7 +510,8 @@ class Prober:
             self._notify(peer.target.name, True)
         elif peer.alive is None:
             peer.alive = True
-        self._arm(now)
+        # No re-arm needed: a reply only moves the peer's dead deadline later, and the
+        # timer always fires by the next send.
 
     def _bad(self, reason: str, addr: object, detail: str) -> None:
         key = f"bad_packet.{reason}"
