@@ -11,12 +11,18 @@ Publishing while disconnected returns False instead of queueing: telemetry is on
 useful fresh, and the hook republishes the state that matters after a reconnect.
 
 Keepalive (default 4 s) and the will: the broker publishes a client's will at once when
-its TCP connection drops (a crashed or killed process: the kernel closes the socket),
-and otherwise when it hears nothing for 1.5 x keepalive. mosquitto checks that in whole
-seconds, and aiomqtt sends PINGREQ from a loop that wakes once a second, so the ping may
-leave up to keepalive + 1 s after the last packet. 4 s keeps that (<= 5 s) clear of the
-broker's limit (> 6 s) and still declares a silently dead node within about 6-7 s; 3 s
-would leave no margin. The cost is two 2-byte packets per keepalive while idle.
+its TCP connection drops (a crashed or killed process: the kernel closes the socket;
+measured here: the will arrives within milliseconds of SIGKILL), and otherwise once it has
+heard nothing for more than 1.5 x keepalive. mosquitto counts that in whole seconds, and
+aiomqtt sends PINGREQ from a loop that wakes once a second, so an idle client's ping may
+leave up to keepalive + 1 s after its last packet: 4 s keeps that (<= 5 s) clear of the
+broker's limit (> 6 s); 3 s or less would leave no margin, and a falsely expired client
+would read as a dead node to the controller. Cost: two 2-byte packets per 4 s when idle.
+For a silently dead client (host gone, process stopped) mosquitto 2.0.11 (Debian 12)
+scans keepalives only every ~6 s, so the will took 11.4 s at keepalive 4, 5.4 s at 2 and
+~5 s at 1 (SIGSTOP, measured here); brokers that check every second give ~1.5 x
+keepalive. The controller's stale-telemetry timeout and the agents' probes (dead peer
+within 1 s) cover that case faster; the will is the cheap, certain signal.
 
 A clean stop (cancelling ``run``) sends a normal DISCONNECT, on which the broker drops
 the will; so the will message is published explicitly first, and a stopped agent reads
@@ -194,7 +200,7 @@ class BusClient:
         b = self.broker
         return aiomqtt.Client(
             b.host,
-            b.port if b.transport == "tcp" else 0,
+            b.port if b.transport == "tcp" else DEFAULT_PORT,  # paho ignores it for unix
             transport=b.transport,
             username=b.username,
             password=b.password,
@@ -216,6 +222,10 @@ class BusClient:
                 reason = "disconnected" if self.connects > before else "connect_failed"
                 self.counters.count(reason, f"{self.broker}: {exc}")
                 log.debug("%s from %s: %s", reason, self.broker, exc)
+            except Exception as exc:
+                # A bug in aiomqtt/paho or here: keep the daemon alive (fail-static),
+                # with the traceback logged once and the backoff keeping it cheap.
+                self.counters.count("client_error", repr(exc), exc_info=exc)
             finally:
                 self._connected.clear()
                 self._client = None
