@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
 import click
@@ -62,6 +63,7 @@ def send_cmd(
     as_json: bool,
 ) -> None:
     """Send FILE to the receiver on HOST, into DIR below its directory."""
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -79,8 +81,9 @@ def send_cmd(
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
+        console=Console(stderr=True),
         transient=True,
-        disable=no_progress or as_json,
+        disable=no_progress or as_json or not sys.stderr.isatty(),
     )
     with bar:
         task = bar.add_task(file.name, total=None)
