@@ -89,9 +89,9 @@ def text_bytes(n: int, seed: int = 1) -> bytes:
     return bytes(out[:n])
 
 
-def only_hidden(directory: Path) -> list[str]:
-    """Names in ``directory`` other than the receiver's hidden files and cache."""
-    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(".meshopt"))
+def visible(directory: Path) -> list[str]:
+    """Names in ``directory`` other than hidden ones (partial files, state, the cache)."""
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
 
 
 class RawClient:
