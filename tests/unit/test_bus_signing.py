@@ -124,6 +124,17 @@ def test_route_set_for_another_node_rejected() -> None:
     assert verify_route_set(data, [pub], node="b").node == "b"
 
 
+def test_route_set_of_a_thousand_node_mesh_fits_the_default_limit() -> None:
+    key, pub = generate_signing_key()
+    peers = [generate_keypair()[1] for _ in range(20)]
+    routes = [
+        Route(dst=f"10.{i // 250}.{i % 250}.0/24", via=peers[i % 20], backup=peers[(i + 1) % 20])
+        for i in range(999)
+    ]
+    rs = route_set(routes=routes)
+    assert verify_route_set(sign_route_set(rs, key), [pub]) == rs
+
+
 def test_invalid_route_set_is_never_signed() -> None:
     key, _ = generate_signing_key()
     with pytest.raises(BusMessageError):
