@@ -118,7 +118,10 @@ class TransferServer:
         self._busy: set[Path] = set()
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        # asyncio sets IPV6_V6ONLY on "::": "::" (or "") here means every address, both
+        # families, which asyncio binds as two sockets when given no host.
+        host = None if self.host in ("::", "") else self.host
+        self._server = await asyncio.start_server(self._handle, host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("transfer: receiving into %s on port %d", self.root, self.port)
 
