@@ -20,7 +20,7 @@ import zstandard as zstd
 
 from meshopt.transfer.cache import ManifestCache
 from meshopt.transfer.chunking import Manifest, chunk_file
-from meshopt.transfer.compress import Adaptive, LevelStats, calibrate, measure_level
+from meshopt.transfer.compress import Adaptive, LevelStats, calibrate, compressor, measure_level
 from meshopt.transfer.errors import TransferError
 from meshopt.transfer.protocol import (
     RAW,
@@ -167,7 +167,7 @@ class _Packer:
             else:
                 codec = ZSTD
                 if self.cobj is None or self.level != level:
-                    self.cobj = zstd.ZstdCompressor(level=level).compressobj()
+                    self.cobj = compressor(level).compressobj()
                     self.level = level
                     codec = ZSTD_NEW
                 payload = self.cobj.compress(data) + self.cobj.flush(zstd.COMPRESSOBJ_FLUSH_BLOCK)
