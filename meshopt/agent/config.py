@@ -46,7 +46,7 @@ class TelemetrySettings:
     """Change-driven publishing with a periodic full snapshot."""
 
     check_interval_s: float = 0.5
-    full_interval_s: float = 10.0
+    full_interval_s: float = 5.0
     rtt_change_ms: float = 1.0
     rtt_change_rel: float = 0.10
     loss_change: float = 0.01

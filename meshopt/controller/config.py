@@ -49,7 +49,7 @@ class ControllerConfig:
     nodes: tuple[str, ...] = ()  # allow-list; empty: any node that publishes telemetry
     symmetric: bool = False  # true for meshes in the single-interface layout
     debounce_s: float = 0.2
-    stale_after_s: float = 5.0
+    stale_after_s: float = 15.0
     lease_s: float = 3.0
     settle_s: float = 0.5
     bulk: bool = True  # also publish a bulk table (widest paths)

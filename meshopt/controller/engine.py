@@ -171,7 +171,14 @@ def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
             hop = int(nh[s, d])
             if hop == NO_ROUTE or hop not in key_for:
                 continue
-            b = int(backup[s, d]) if backup is not None else NO_ROUTE
+            if c.best.symmetric:
+                # Single-interface meshes: AllowedIPs are also the inbound filter, so both
+                # ends must fall back the same way. Both see the shared relay die and both
+                # take the direct tunnel; a loop-free alternate of one end need not be
+                # the other's.
+                b = d if np.isfinite(c.matrices.cost[s, d]) else NO_ROUTE
+            else:
+                b = int(backup[s, d]) if backup is not None else NO_ROUTE
             b_key = key_for.get(b) if b not in (NO_ROUTE, hop) else None
             for addr in view.nodes[d_name].addresses:
                 routes.append(Route(dst=addr, via=key_for[hop], backup=b_key))

@@ -56,7 +56,7 @@ class MeshView:
         mesh: str,
         *,
         metric: Metric | None = None,
-        stale_after_s: float = 5.0,
+        stale_after_s: float = 15.0,
         allowed: Sequence[str] = (),
     ) -> None:
         self.mesh = mesh

@@ -1,0 +1,192 @@
+"""A live mesh in a lab: agents in every node, controllers next to the broker.
+
+This is what ``meshopt demo``, the convergence benchmark and the closed-loop lab tests
+run on. Everything it reports is read from the nodes themselves (routes with
+``ip route``, AllowedIPs with ``wg``, pings), never from the controller's own idea of
+what it installed, so a route that did not take effect shows as such.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshopt.lab.agents import (
+    agent_log,
+    controller_key,
+    controller_log,
+    start_agent,
+    start_controller,
+)
+from meshopt.lab.lab import Lab
+
+FAST_TABLE = 7701
+
+# Agents in a lab: bandwidth trains off unless asked for (they would load the shared
+# emulator while the demo measures latency), everything else at its defaults.
+QUIET_AGENT: dict[str, dict[str, Any]] = {"bandwidth": {"enabled": False}}
+
+
+@dataclass
+class LiveMesh:
+    lab: Lab
+    agent_sections: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: QUIET_AGENT)
+    controller_settings: Mapping[str, Any] = field(default_factory=dict)
+    controller_sections: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    controllers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    # --- processes ---------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[str]:
+        return [n.name for n in self.lab.plan.nodes]
+
+    def start(self, *, controllers: Sequence[str] = ("ctl1",)) -> None:
+        for cid in controllers:
+            self.start_controller(cid)
+        for node in self.nodes:
+            self.start_agent(node)
+
+    def start_controller(self, cid: str = "ctl1") -> None:
+        self.controllers[cid] = start_controller(
+            self.lab,
+            cid,
+            settings=self.controller_settings,
+            sections=self.controller_sections,
+        )
+
+    def start_agent(self, node: str) -> None:
+        _, public = controller_key(self.lab)
+        self.agents[node] = start_agent(
+            self.lab, node, controller_keys=[public], sections=self.agent_sections
+        )
+
+    def stop_agent(self, node: str, *, kill: bool = False) -> None:
+        """SIGTERM (clean stop: routes withdrawn if configured) or SIGKILL (a crash)."""
+        proc = self.agents.pop(node)
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def stop_controller(self, cid: str = "ctl1", *, kill: bool = False) -> None:
+        proc = self.controllers.pop(cid)
+        proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for node in list(self.agents):
+            self.stop_agent(node)
+        for cid in list(self.controllers):
+            self.stop_controller(cid)
+
+    def logs(self) -> str:
+        parts = [
+            f"--- controller {c}\n{controller_log(self.lab, c)[-3000:]}" for c in self.controllers
+        ]
+        parts += [f"--- agent {n}\n{agent_log(self.lab, n)[-2000:]}" for n in self.nodes]
+        return "\n".join(parts)
+
+    # --- reading the nodes -------------------------------------------------------------
+
+    def key_owner(self) -> dict[str, str]:
+        """WireGuard public key -> node name (every interface of every node)."""
+        return {w.public_key: w.node for w in self.lab.state.wg}
+
+    def installed(self, node: str) -> dict[str, str]:
+        """Our routes in ``node``'s fast table: destination -> outgoing interface."""
+        out = self.lab.run(node, ["ip", "-j", "route", "show", "table", str(FAST_TABLE)])
+        routes = json.loads(out.stdout or "[]")
+        return {r["dst"]: r["dev"] for r in routes if r.get("protocol") in ("77", 77)}
+
+    def allowed_ips(self, node: str) -> dict[str, list[str]]:
+        """Peer public key -> AllowedIPs, over all of ``node``'s interfaces."""
+        out = self.lab.run(node, ["wg", "show", "all", "allowed-ips"]).stdout
+        result: dict[str, list[str]] = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2:
+                result[parts[1]] = [p for p in parts[2:] if p != "(none)"]
+        return result
+
+    def next_hop(self, src: str, dst: str) -> str | None:
+        """The node ``src`` hands packets for ``dst`` to, as its kernel and WireGuard would."""
+        addr = self.lab.overlay_ip(dst)
+        host = f"{addr}/32" if ":" not in addr else f"{addr}/128"
+        owner = self.key_owner()
+        if self.lab.plan.layout == "single":
+            for key, prefixes in self.allowed_ips(src).items():
+                if host in prefixes:
+                    return owner.get(key)
+            return None
+        out = self.lab.run(src, ["ip", "-j", "route", "get", addr]).stdout
+        dev = json.loads(out or "[{}]")[0].get("dev", "")
+        for w in self.lab.state.wg:
+            if w.node == src and w.ifname == dev:
+                return w.peers[0]
+        return None
+
+    def path(self, src: str, dst: str) -> list[str]:
+        """Hop by hop, as each node on the way forwards (stops at a loop or a dead end)."""
+        hops = [src]
+        while hops[-1] != dst and len(hops) <= len(self.nodes):
+            nxt = self.next_hop(hops[-1], dst)
+            if nxt is None or nxt in hops:
+                hops.append(nxt or "?")
+                break
+            hops.append(nxt)
+        return hops
+
+    def forwarded(self, node: str) -> int:
+        """Packets ``node`` forwarded for others so far (its namespace's ForwDatagrams)."""
+        text = self.lab.run(node, ["cat", "/proc/net/snmp"]).stdout
+        lines = [ln.split() for ln in text.splitlines() if ln.startswith("Ip:")]
+        return int(lines[1][lines[0].index("ForwDatagrams")])
+
+    def ping(
+        self, src: str, dst: str, *, count: int = 10, interval: float = 0.05, timeout: float = 2.0
+    ) -> list[float]:
+        """RTTs (ms) of the replies that came back; lost pings are simply missing."""
+        proc = self.lab.run(
+            src,
+            [
+                "ping",
+                "-n",
+                "-c",
+                str(count),
+                "-i",
+                str(interval),
+                "-W",
+                str(timeout),
+                self.lab.overlay_ip(dst),
+            ],
+            timeout=count * interval + timeout + 10,
+        )
+        return [float(x) for x in re.findall(r"time=([\d.]+) ms", proc.stdout)]
+
+    def median_rtt(self, src: str, dst: str, count: int = 10) -> float | None:
+        rtts = self.ping(src, dst, count=count)
+        return statistics.median(rtts) if rtts else None
+
+
+def wait_until(
+    check: Callable[[], bool], timeout: float, *, interval: float = 0.05
+) -> float | None:
+    """Seconds until ``check()`` first held, or None if it never did within ``timeout``."""
+    start = time.monotonic()
+    while True:
+        if check():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            return None
+        time.sleep(interval)
