@@ -119,33 +119,51 @@ class LiveMesh:
                 result[parts[1]] = [p for p in parts[2:] if p != "(none)"]
         return result
 
-    def next_hop(self, src: str, dst: str) -> str | None:
-        """The node ``src`` hands packets for ``dst`` to, as its kernel and WireGuard would."""
-        addr = self.lab.overlay_ip(dst)
-        host = f"{addr}/32" if ":" not in addr else f"{addr}/128"
+    def _node_hops(self, src: str) -> dict[str, str]:
+        """dst node -> the node ``src`` hands its packets to, as its kernel and WireGuard do."""
         owner = self.key_owner()
+        host = {n: self.lab.overlay_ip(n) for n in self.nodes}
+        out: dict[str, str] = {}
         if self.lab.plan.layout == "single":
-            for key, prefixes in self.allowed_ips(src).items():
-                if host in prefixes:
-                    return owner.get(key)
-            return None
-        out = self.lab.run(src, ["ip", "-j", "route", "get", addr]).stdout
-        dev = json.loads(out or "[{}]")[0].get("dev", "")
-        for w in self.lab.state.wg:
-            if w.node == src and w.ifname == dev:
-                return w.peers[0]
-        return None
+            prefixes = self.allowed_ips(src)
+            for key, allowed in prefixes.items():
+                for dst, addr in host.items():
+                    if f"{addr}/32" in allowed or f"{addr}/128" in allowed:
+                        out[dst] = owner[key]
+            return out
+        # Per-peer: our table first (the rule sends everything there), then main.
+        dev_peer = {w.ifname: w.peers[0] for w in self.lab.state.wg if w.node == src}
+        for table in ("main", str(FAST_TABLE)):
+            text = self.lab.run(src, ["ip", "-j", "route", "show", "table", table]).stdout
+            for r in json.loads(text or "[]"):
+                dst = r.get("dst", "").split("/")[0]
+                for node, addr in host.items():
+                    if dst == addr and r.get("dev") in dev_peer:
+                        out[node] = dev_peer[r["dev"]]
+        return out
+
+    def next_hops(self) -> dict[str, dict[str, str]]:
+        """A snapshot of every node's next hops: ``hops[src][dst]``."""
+        return {n: self._node_hops(n) for n in self.nodes}
+
+    def next_hop(self, src: str, dst: str) -> str | None:
+        return self._node_hops(src).get(dst)
+
+    @staticmethod
+    def path_from(hops: Mapping[str, Mapping[str, str]], src: str, dst: str) -> list[str]:
+        """Hop by hop through a snapshot; ends in "?" at a loop or a dead end."""
+        path = [src]
+        while path[-1] != dst and len(path) <= len(hops):
+            nxt = hops.get(path[-1], {}).get(dst)
+            if nxt is None or nxt in path:
+                path.append("?")
+                break
+            path.append(nxt)
+        return path
 
     def path(self, src: str, dst: str) -> list[str]:
-        """Hop by hop, as each node on the way forwards (stops at a loop or a dead end)."""
-        hops = [src]
-        while hops[-1] != dst and len(hops) <= len(self.nodes):
-            nxt = self.next_hop(hops[-1], dst)
-            if nxt is None or nxt in hops:
-                hops.append(nxt or "?")
-                break
-            hops.append(nxt)
-        return hops
+        """As the nodes forward now, following each hop's own next hop."""
+        return self.path_from(self.next_hops(), src, dst)
 
     def forwarded(self, node: str) -> int:
         """Packets ``node`` forwarded for others so far (its namespace's ForwDatagrams)."""

@@ -1,0 +1,229 @@
+"""What a live mesh achieves, measured with real pings (demo, benchmark, lab tests).
+
+* **Route quality**: per pair, the ping RTT through the installed routes next to the
+  direct tunnel's RTT and the optimum (the engine's choice on the topology as
+  configured: what a perfectly informed controller would install).
+* **Re-route time** after a change (a link made slower): a ping runs every 20 ms; the
+  time is from the change to the first probe of the final run of probes that all took
+  the better path (each ping's send time is its reply time minus its RTT).
+* **Outage** after a failure (a relay stopped): from the cut to the first ping that got
+  through and after which none was lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import re
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from meshopt.analysis import Plan, path_info, plan
+from meshopt.lab.mesh import LiveMesh
+from meshopt.metric import Metric
+
+_LINE = re.compile(r"^\[(\d+\.\d+)\].*icmp_seq=(\d+).*time=([\d.]+) ms")
+
+
+@dataclass
+class PairQuality:
+    src: str
+    dst: str
+    direct_ms: float  # the direct tunnel's configured RTT
+    optimum_ms: float  # RTT of the optimum path on the configured topology
+    optimum_path: list[str]
+    achieved_ms: float | None  # median ping RTT through the installed routes
+    path: list[str]  # as the nodes forward now
+
+    @property
+    def error(self) -> float | None:
+        """Achieved over optimum, minus one (0.03 = 3 % slower than the optimum)."""
+        if self.achieved_ms is None or not self.optimum_ms:
+            return None
+        return self.achieved_ms / self.optimum_ms - 1.0
+
+
+def optimum(mesh: LiveMesh, metric: Metric | None = None) -> Plan:
+    topo = mesh.lab.topo
+    return plan(topo, metric or Metric(), symmetric=mesh.lab.plan.layout == "single")
+
+
+def pairs(names: Sequence[str]) -> list[tuple[str, str]]:
+    return [(a, b) for a in names for b in names if a != b]
+
+
+def route_quality(
+    mesh: LiveMesh,
+    *,
+    count: int = 10,
+    metric: Metric | None = None,
+    only: Sequence[tuple[str, str]] | None = None,
+) -> list[PairQuality]:
+    best = optimum(mesh, metric)
+    hops = mesh.next_hops()
+    todo = list(only) if only is not None else pairs(mesh.nodes)
+
+    def one(pair: tuple[str, str]) -> PairQuality:
+        a, b = pair
+        info = path_info(best, a, b)
+        rtts = mesh.ping(a, b, count=count, interval=0.05)
+        return PairQuality(
+            src=a,
+            dst=b,
+            direct_ms=info.direct_rtt_ms,
+            optimum_ms=info.rtt_ms,
+            optimum_path=[info.src, *(h.dst for h in info.hops)],
+            achieved_ms=statistics.median(rtts) if rtts else None,
+            path=mesh.path_from(hops, a, b),
+        )
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return list(pool.map(one, todo))
+
+
+def on_optimum(mesh: LiveMesh, best: Plan) -> tuple[int, int]:
+    """(pairs whose forwarding path has the optimum's RTT, all pairs), from the nodes."""
+    hops = mesh.next_hops()
+    rtt = best.rtt
+    index = {n: i for i, n in enumerate(best.tables.names)}
+    good = 0
+    todo = pairs(mesh.nodes)
+    for a, b in todo:
+        path = mesh.path_from(hops, a, b)
+        if path[-1] != b:
+            continue
+        got = sum(rtt[index[x], index[y]] for x, y in itertools.pairwise(path))
+        if got <= path_info(best, a, b).rtt_ms * 1.0001:
+            good += 1
+    return good, len(todo)
+
+
+@dataclass
+class PingLog:
+    """Replies of one running ping: (send time, RTT ms) in arrival order."""
+
+    replies: list[tuple[float, float]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def after(self, t: float) -> list[tuple[float, float]]:
+        with self.lock:
+            return [r for r in self.replies if r[0] >= t]
+
+
+@contextlib.contextmanager
+def pinging(mesh: LiveMesh, src: str, dst: str, interval: float = 0.02) -> Iterator[PingLog]:
+    """A ping from ``src`` to ``dst`` running in the background for the ``with`` block."""
+    log = PingLog()
+    proc = mesh.lab.popen(
+        src,
+        ["ping", "-n", "-D", "-i", str(interval), "-W", "2", mesh.lab.overlay_ip(dst)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = _LINE.match(line)
+            if m:
+                rtt = float(m[3])
+                with log.lock:
+                    log.replies.append((float(m[1]) - rtt / 1000.0, rtt))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        time.sleep(0.5)
+        yield log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        reader.join(5)
+
+
+def settled_since(
+    replies: Sequence[tuple[float, float]], t0: float, good: Callable[[float], bool]
+) -> float | None:
+    """Seconds from ``t0`` to the first reply of the final all-good run, or None."""
+    after = [r for r in replies if r[0] >= t0]
+    if not after or not good(after[-1][1]):
+        return None
+    i = len(after) - 1
+    while i > 0 and good(after[i - 1][1]):
+        i -= 1
+    return after[i][0] - t0 if i > 0 else 0.0
+
+
+def reroute_time(
+    mesh: LiveMesh,
+    src: str,
+    dst: str,
+    change: Callable[[], None],
+    good: Callable[[float], bool],
+    *,
+    timeout: float = 15.0,
+    hold: float = 1.5,
+) -> float | None:
+    """Seconds until pings ``src``->``dst`` are all ``good`` after ``change()`` (None: never)."""
+    with pinging(mesh, src, dst) as log:
+        t0 = time.time()
+        change()
+        deadline = t0 + timeout
+        while time.time() < deadline:
+            time.sleep(0.25)
+            t = settled_since(log.after(t0), t0, good)
+            if t is not None and time.time() - (t0 + t) >= hold:
+                return t
+        return None
+
+
+def outage_time(
+    mesh: LiveMesh,
+    src: str,
+    dst: str,
+    change: Callable[[], None],
+    *,
+    timeout: float = 15.0,
+    hold: float = 1.5,
+    interval: float = 0.02,
+) -> float | None:
+    """Seconds from ``change()`` until pings get through again for good (None: never)."""
+    with pinging(mesh, src, dst, interval) as log:
+        t0 = time.time()
+        change()
+        deadline = t0 + timeout
+        while time.time() < deadline:
+            time.sleep(0.25)
+            got = log.after(t0 - 1.0)
+            if not got or time.time() - got[-1][0] > 3 * interval + 2.5:
+                continue
+            # The largest gap between consecutive replies around the cut is the outage.
+            sends = [s for s, _ in got]
+            gaps = [(b - a, b) for a, b in itertools.pairwise(sends) if b >= t0]
+            if not gaps:
+                continue
+            gap, end = max(gaps)
+            if time.time() - end >= hold:
+                return max(0.0, end - t0) if gap > 3 * interval else 0.0
+        return None
+
+
+def summary(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    ok = [v for v in values if v is not None and math.isfinite(v)]
+    return {
+        "median": statistics.median(ok) if ok else None,
+        "min": min(ok) if ok else None,
+        "max": max(ok) if ok else None,
+        "runs": len(values),
+        "failed": len(values) - len(ok),
+    }
