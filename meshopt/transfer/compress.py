@@ -17,7 +17,7 @@ import zstandard as zstd
 LEVELS = (1, 3, 6, 9, 12, 15, 19)
 DEFAULT_LEVEL = 3  # zstd's own default: used until the link rate is known
 MIN_RATIO = 1.03  # below this the data is treated as incompressible
-HEDGE = 0.9  # levels this close to the best count as equal (see choose_level)
+CPU_HEADROOM = 0.5  # rank levels as if the CPU were half as fast (see choose_level)
 MARGIN = 1.05  # compression must beat sending raw by 5 % to be worth the CPU
 # Long-distance matching over a 128 MiB window: measured on the stdlib tarball here,
 # level 3 goes from ratio 4.6 to 6.6 at about the same speed (the decompressor's default
@@ -41,9 +41,12 @@ class LevelStats:
     decompress_bps: float
     ratio: float
 
-    def effective_bps(self, link_bps: float) -> float:
-        """File bytes per second with this level: the slowest pipeline stage."""
-        return min(self.compress_bps, self.decompress_bps, self.ratio * link_bps)
+    def effective_bps(self, link_bps: float, cpu: float = 1.0) -> float:
+        """File bytes per second with this level: the slowest pipeline stage.
+
+        ``cpu`` scales the compressor's and decompressor's speeds (a share of the CPU).
+        """
+        return min(cpu * self.compress_bps, cpu * self.decompress_bps, self.ratio * link_bps)
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,9 @@ def choose_level(
     if link_bps is None:
         default = next((s for s in usable if s.level == DEFAULT_LEVEL), usable[0])
         return Decision(default.level, 0.0, "link rate not yet measured")
-    top = max(s.effective_bps(link_bps) for s in usable)
-    # Among levels within HEDGE of the best, take the fastest compressor: the estimate
+    # Rank with the CPU stages at CPU_HEADROOM of their measured speed: the estimate
     # comes from a small sample, and a busy CPU slows compression, never the link.
-    close = [s for s in usable if s.effective_bps(link_bps) >= HEDGE * top]
-    best = max(close, key=lambda s: s.compress_bps)
+    best = max(usable, key=lambda s: (s.effective_bps(link_bps, CPU_HEADROOM), s.ratio))
     rate = best.effective_bps(link_bps)
     if rate < margin * link_bps:
         fastest = max(usable, key=lambda s: s.compress_bps)
