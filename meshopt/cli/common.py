@@ -19,8 +19,8 @@ from meshopt.units import parse_time_ms
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def console() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+def console(*, stderr: bool = False) -> Console:
+    return Console(highlight=False, soft_wrap=True, stderr=stderr)
 
 
 def topology_argument(f: F) -> F:

@@ -9,6 +9,7 @@ import click
 from meshopt import __version__
 from meshopt.cli.agent_cmd import agent_cmd
 from meshopt.cli.controller_cmd import controller_group
+from meshopt.cli.demo_cmd import demo_cmd
 from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
 from meshopt.cli.lab_cmd import lab_group
 from meshopt.cli.sim_cmd import sim_cmd
@@ -37,6 +38,7 @@ cli.add_command(lab_group)
 cli.add_command(transfer_group)
 cli.add_command(agent_cmd)
 cli.add_command(controller_group)
+cli.add_command(demo_cmd)
 
 
 def main(argv: list[str] | None = None) -> int:

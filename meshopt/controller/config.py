@@ -49,6 +49,7 @@ class ControllerConfig:
     nodes: tuple[str, ...] = ()  # allow-list; empty: any node that publishes telemetry
     symmetric: bool = False  # true for meshes in the single-interface layout
     debounce_s: float = 0.2
+    warmup_s: float = 5.0  # first routes only once every link is measured, or after this
     stale_after_s: float = 15.0
     lease_s: float = 3.0
     settle_s: float = 0.5

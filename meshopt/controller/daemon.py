@@ -181,6 +181,8 @@ class Controller:
             self._mark_dirty(urgent=True)
         if self.dirty_since is None or not self.lease.may_publish(wall):
             return
+        if not self.view.ready(now, self.cfg.warmup_s):
+            return
         if not self.urgent and now - self.dirty_since < self.cfg.debounce_s:
             return
         self.dirty_since = None

@@ -10,6 +10,8 @@ the simulator predicts is what the controller does.
   frozen for ``hold_s`` on the first, least-settled estimates.
 * Link-cost changes are applied to ``IncrementalRoutes`` one link at a time while few
   links changed, with a full recompute otherwise or when nodes join or leave.
+* Entries switched because their path failed are not held: the switch was forced, not
+  chosen, and the next measurements may show a better path at once.
 * A controller taking over from another adopts the installed routes from the retained
   route sets, so the policy's hysteresis survives the hand-over.
 """
@@ -105,6 +107,8 @@ class RouteEngine:
         index = {n: i for i, n in enumerate(names)}
         owner_of_addr = {a: n.name for n in view.nodes.values() for a in n.addresses}
         owner_of_key = view.node_of_key()
+        if not route_sets:
+            return  # nothing installed anywhere yet: agents are on their direct tunnels
         inst = direct_installed(m.cost)
         for s_name, rs in route_sets.items():
             s = index.get(s_name)
@@ -124,7 +128,12 @@ class RouteEngine:
         if self.installed is None:
             self.installed = direct_installed(m.cost)
         elif names != self.names:
-            self.installed = reindex(self.installed, self.names, names)
+            # Joining nodes have no route set yet: their pairs are on the direct tunnel.
+            moved = reindex(self.installed, self.names, names)
+            direct = direct_installed(m.cost)
+            fresh = (moved.next_hop == NO_ROUTE) & (direct.next_hop != NO_ROUTE)
+            moved.next_hop = np.where(fresh, direct.next_hop, moved.next_hop)
+            self.installed = moved
         self.names = names
         best = self._routes(names, m.cost)
         dec = decide(
@@ -137,6 +146,9 @@ class RouteEngine:
             relay_hop_ms=self.relay_hop_ms,
             symmetric=self.symmetric,
         )
+        # A switch forced by a failure is not a preference: it is not held, so the
+        # route can move to the best path as soon as the measurements justify it.
+        dec.installed.since = np.where(dec.failed, -np.inf, dec.installed.since)
         self.installed = dec.installed
         out = Computed(names=names, matrices=m, best=best, decision=dec)
         if self.bulk and not self.symmetric:

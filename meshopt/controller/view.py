@@ -64,6 +64,7 @@ class MeshView:
         self.stale_after_s = stale_after_s
         self.allowed = set(allowed)
         self.nodes: dict[str, NodeInfo] = {}
+        self.first_seen: float | None = None
 
     def node_of_key(self) -> dict[str, str]:
         return {k: n.name for n in self.nodes.values() for k in n.public_keys}
@@ -86,6 +87,8 @@ class MeshView:
             # An old message delivered late, or replayed: newer data is already in.
             raise TelemetryRefused("out_of_order", f"{t.node} seq {t.seq}")
         peers = {p.public_key: p for p in t.peers}
+        if self.first_seen is None:
+            self.first_seen = now
         if info is None:
             info = NodeInfo(t.node, list(keys), list(t.addresses), now)
             self.nodes[t.node] = info
@@ -100,6 +103,24 @@ class MeshView:
         else:
             info.peers.update(peers)
         return True
+
+    def measured(self) -> bool:
+        """Every online node reports an RTT for every one of its peers."""
+        return all(
+            info.peers and all(p.rtt_ms is not None for p in info.peers.values())
+            for info in self.nodes.values()
+            if info.online
+        )
+
+    def ready(self, now: float, warmup_s: float) -> bool:
+        """Enough is known to route: all links measured, or ``warmup_s`` since the first report.
+
+        Routing on half a picture would install routes around links nobody has measured
+        yet (they cost ``unknown_cost_ms``), and the policy would then hold them.
+        """
+        if self.first_seen is None:
+            return False
+        return self.measured() or now - self.first_seen >= warmup_s
 
     def set_offline(self, node: str, reason: str) -> bool:
         info = self.nodes.get(node)
@@ -165,4 +186,10 @@ def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, flo
         noise_ms=rep.noise_ms or 0.0,
         age_s=age_s,
     )
-    return metric.link_cost(sample), sample.noise_ms
+    # The loss estimate is noisy too (a window of n probes), and through the loss
+    # penalty its noise can outweigh the RTT's: the policy must see both.
+    p = sample.loss
+    n = max(rep.samples, 1) / max(1.0 - p, 1e-3)
+    loss_sd = math.sqrt(p * (1.0 - p) / n)
+    slope = metric.loss_penalty_ms / max(1.0 - p, 1e-3) ** 2
+    return metric.link_cost(sample), math.hypot(sample.noise_ms, slope * loss_sd)

@@ -87,8 +87,14 @@ def route_quality(
         return list(pool.map(one, todo))
 
 
-def on_optimum(mesh: LiveMesh, best: Plan) -> tuple[int, int]:
-    """(pairs whose forwarding path has the optimum's RTT, all pairs), from the nodes."""
+def on_optimum(
+    mesh: LiveMesh, best: Plan, *, rel: float = 0.0, abs_ms: float = 0.0
+) -> tuple[int, int]:
+    """(pairs forwarded on a path as good as the optimum, all pairs), read from the nodes.
+
+    "As good": RTT within ``rel`` of the optimum's, or within ``abs_ms`` (the policy
+    deliberately does not chase gains below its absolute margin).
+    """
     hops = mesh.next_hops()
     rtt = best.rtt
     index = {n: i for i, n in enumerate(best.tables.names)}
@@ -99,7 +105,8 @@ def on_optimum(mesh: LiveMesh, best: Plan) -> tuple[int, int]:
         if path[-1] != b:
             continue
         got = sum(rtt[index[x], index[y]] for x, y in itertools.pairwise(path))
-        if got <= path_info(best, a, b).rtt_ms * 1.0001:
+        opt = path_info(best, a, b).rtt_ms
+        if got <= opt * (1.0 + rel) + 1e-6 or got - opt <= abs_ms:
             good += 1
     return good, len(todo)
 
@@ -168,7 +175,7 @@ def reroute_time(
     mesh: LiveMesh,
     src: str,
     dst: str,
-    change: Callable[[], None],
+    change: Callable[[], object],
     good: Callable[[float], bool],
     *,
     timeout: float = 15.0,
@@ -191,7 +198,7 @@ def outage_time(
     mesh: LiveMesh,
     src: str,
     dst: str,
-    change: Callable[[], None],
+    change: Callable[[], object],
     *,
     timeout: float = 15.0,
     hold: float = 1.5,

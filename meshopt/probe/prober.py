@@ -387,6 +387,10 @@ class Prober:
             if pending.sent_at + cfg.timeout_s > due:
                 break
             del self._pending[seq]
+            if pending.peer.alive is None:
+                # Never answered yet: its agent or tunnel is still coming up. Counting
+                # these as loss would make a new peer look lossy for a whole window.
+                continue
             pending.peer.window.add_loss(seq, now)
             self._recent.add(seq, "expired", pending.peer)
         for peer in list(self._peers.values()):
