@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from pyroute2.netlink.exceptions import NetlinkError
+
 from meshopt.agent.config import AgentConfig
 from meshopt.agent.netstate import NetState, set_sysctl
 from meshopt.agent.peers import PeerTracker
@@ -247,13 +249,19 @@ class Agent:
             await asyncio.sleep(self.cfg.peer_poll_s)
             try:
                 await self._poll_peers()
-            except MeshoptError as exc:
+            except (MeshoptError, OSError, NetlinkError) as exc:
                 self.counters.count("poll_failed", str(exc))
 
     # --- routes -----------------------------------------------------------------------
 
     def _on_liveness(self, key: str, alive: bool) -> None:
-        log.info("peer %s %s", key[:8], "alive" if alive else "DEAD")
+        last = self.prober.stats(key)
+        log.info(
+            "peer %s %s%s",
+            key[:8],
+            "alive" if alive else "DEAD",
+            "" if alive or last is None else f" ({last.received} replies so far)",
+        )
         self._wake.set()
 
     def _plan(self) -> NodePlan:
@@ -267,6 +275,7 @@ class Agent:
             baseline=self.state.baseline,
             fast_table=self.cfg.routes.fast_table,
             bulk_table=self.cfg.routes.bulk_table,
+            keep_current=self.route_set is None,
         )
 
     def _implied_mesh_prefixes(self) -> list[str]:
@@ -288,25 +297,19 @@ class Agent:
             self._wake.clear()
             try:
                 await self.apply()
-            except MeshoptError as exc:
+            except (MeshoptError, OSError, NetlinkError) as exc:
                 self.counters.count("apply_failed", str(exc))
+                self._wake.set()  # try again after the next poll
+                await asyncio.sleep(self.cfg.peer_poll_s)
 
     async def apply(self) -> None:
         """Bring routes and AllowedIPs to the current plan (idempotent)."""
         plan = self._plan()
         for rej in plan.rejected:
             self.counters.count(f"route_{rej.reason}", f"{rej.route.dst} via {rej.route.via[:8]}")
+        started = self.clock()
         now_failed = {(f.dst, f.table) for f in plan.failovers}
-        for f in plan.failovers:
-            if (f.dst, f.table) not in self.failed_over:
-                log.warning(
-                    "fail-over %s (%s): next hop %s dead, now %s",
-                    f.dst,
-                    f.table,
-                    f.primary[:8],
-                    f.now_via[:8] if f.now_via else "the direct tunnel",
-                )
-                self.counters.count("failovers", f"{f.dst} via {f.now_via}")
+        new = [f for f in plan.failovers if (f.dst, f.table) not in self.failed_over]
         self.failed_over = now_failed
         # AllowedIPs first when gaining a relay: a route steering into a tunnel whose
         # peer would refuse the destination would black-hole it for a moment.
@@ -317,6 +320,17 @@ class Agent:
             for err in result.errors:
                 self.counters.count("route_refused", str(err))
             self.installed_routes = len(plan.routes)
+        took_ms = (self.clock() - started) * 1000
+        for f in new:
+            log.warning(
+                "fail-over %s (%s): next hop %s dead, now %s (applied in %.0f ms)",
+                f.dst,
+                f.table,
+                f.primary[:8],
+                f.now_via[:8] if f.now_via else "the direct tunnel",
+                took_ms,
+            )
+            self.counters.count("failovers", f"{f.dst} via {f.now_via}")
         await self._poll_peers_quiet()
 
     async def _poll_peers_quiet(self) -> None:
@@ -418,7 +432,7 @@ class Agent:
                     est = await estimate_capacity(
                         peer.probe_address, scope=peer.ifname, port=cfg.port
                     )
-                except MeshoptError as exc:
+                except (MeshoptError, OSError) as exc:
                     self.counters.count("bandwidth_failed", f"{key[:8]}: {exc}")
                     continue
                 self.capacity[key] = Capacity(est.capacity_mbit, est.confidence, self.clock())

@@ -6,6 +6,7 @@ the node it manages), kept apart so the daemon's logic stays testable without ne
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fnmatch
 import ipaddress
@@ -24,6 +25,9 @@ IFA_F_NODAD = 0x02
 class NetState:
     def __init__(self) -> None:
         self._ipr: AsyncIPRoute | None = None
+        # One request at a time: pyroute2 refuses a second dump on a socket with one in
+        # flight (EBUSY), and the agent's loops read links concurrently.
+        self._lock = asyncio.Lock()
 
     async def open(self) -> None:
         self._ipr = AsyncIPRoute()
@@ -42,10 +46,11 @@ class NetState:
 
     async def links(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        async for msg in await self.ipr.link("dump"):
-            name = msg.get("ifname")
-            if isinstance(name, str):
-                out[name] = int(msg["index"])
+        async with self._lock:
+            async for msg in await self.ipr.link("dump"):
+                name = msg.get("ifname")
+                if isinstance(name, str):
+                    out[name] = int(msg["index"])
         return out
 
     async def match_interfaces(self, patterns: Sequence[str]) -> list[str]:
@@ -56,10 +61,11 @@ class NetState:
     async def addresses(self) -> dict[int, list[str]]:
         """ifindex -> ``address/prefixlen`` of every address in the namespace."""
         out: dict[int, list[str]] = {}
-        async for msg in await self.ipr.addr("dump"):
-            addr = msg.get("address")
-            if isinstance(addr, str):
-                out.setdefault(int(msg["index"]), []).append(f"{addr}/{msg['prefixlen']}")
+        async with self._lock:
+            async for msg in await self.ipr.addr("dump"):
+                addr = msg.get("address")
+                if isinstance(addr, str):
+                    out.setdefault(int(msg["index"]), []).append(f"{addr}/{msg['prefixlen']}")
         return out
 
     async def ensure_link_local(self, ifindex: int, address: str) -> bool:

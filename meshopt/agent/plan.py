@@ -87,8 +87,13 @@ def plan_node(
     baseline: Mapping[str, Sequence[str]],
     fast_table: int,
     bulk_table: int,
+    keep_current: bool = False,
 ) -> NodePlan:
-    """What to install for ``routes``; ``baseline`` is each peer's AllowedIPs before us."""
+    """What to install for ``routes``; ``baseline`` is each peer's AllowedIPs before us.
+
+    ``keep_current``: no route set is known (an agent just restarted, or never got one):
+    AllowedIPs stay as they are, plus the probe addresses (fail-static).
+    """
     out = NodePlan()
     mesh = [n for n in (_net(p) for p in mesh_prefixes) if n is not None]
     own = [n for n in (_net(p) for p in own_prefixes) if n is not None]
@@ -139,7 +144,9 @@ def plan_node(
                 **_attrs(r),  # type: ignore[arg-type]
             )
         )
-    out.allowed_ips = _allowed_ips(peers, fast_via, baseline)
+    out.allowed_ips = _allowed_ips(
+        peers, fast_via, {k: p.allowed_ips for k, p in peers.items()} if keep_current else baseline
+    )
     return out
 
 

@@ -49,7 +49,8 @@ class ControllerConfig:
     nodes: tuple[str, ...] = ()  # allow-list; empty: any node that publishes telemetry
     symmetric: bool = False  # true for meshes in the single-interface layout
     debounce_s: float = 0.2
-    warmup_s: float = 5.0  # first routes only once every link is measured, or after this
+    warmup_s: float = 10.0  # first routes once every link has warmup_samples, or after this
+    warmup_samples: int = 8
     stale_after_s: float = 15.0
     lease_s: float = 3.0
     settle_s: float = 0.5

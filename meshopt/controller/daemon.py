@@ -181,7 +181,7 @@ class Controller:
             self._mark_dirty(urgent=True)
         if self.dirty_since is None or not self.lease.may_publish(wall):
             return
-        if not self.view.ready(now, self.cfg.warmup_s):
+        if not self.view.ready(now, self.cfg.warmup_s, self.cfg.warmup_samples):
             return
         if not self.urgent and now - self.dirty_since < self.cfg.debounce_s:
             return

@@ -104,23 +104,25 @@ class MeshView:
             info.peers.update(peers)
         return True
 
-    def measured(self) -> bool:
-        """Every online node reports an RTT for every one of its peers."""
+    def measured(self, min_samples: int = 1) -> bool:
+        """Every online node reports ``min_samples`` RTT samples for each of its peers."""
         return all(
-            info.peers and all(p.rtt_ms is not None for p in info.peers.values())
+            info.peers
+            and all(p.rtt_ms is not None and p.samples >= min_samples for p in info.peers.values())
             for info in self.nodes.values()
             if info.online
         )
 
-    def ready(self, now: float, warmup_s: float) -> bool:
+    def ready(self, now: float, warmup_s: float, min_samples: int = 8) -> bool:
         """Enough is known to route: all links measured, or ``warmup_s`` since the first report.
 
         Routing on half a picture would install routes around links nobody has measured
-        yet (they cost ``unknown_cost_ms``), and the policy would then hold them.
+        yet (they cost ``unknown_cost_ms``), or on one or two samples, and the policy
+        would then hold those choices for ``hold_s``.
         """
         if self.first_seen is None:
             return False
-        return self.measured() or now - self.first_seen >= warmup_s
+        return self.measured(min_samples) or now - self.first_seen >= warmup_s
 
     def set_offline(self, node: str, reason: str) -> bool:
         info = self.nodes.get(node)

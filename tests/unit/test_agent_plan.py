@@ -123,3 +123,27 @@ def test_allowed_ips_move_without_a_gap() -> None:
 
 def test_own_prefixes_skip_link_local() -> None:
     assert own_prefixes_from(["10.9.0.1/16", "fe80::1/64", "10.9.0.1/16"]) == ["10.9.0.1/32"]
+
+
+def test_without_a_route_set_allowed_ips_are_kept() -> None:
+    """Fail-static after a restart: what the last run set up stays until a route set comes."""
+    peers = _peers()
+    moved = {
+        k: PeerInfo(**{**p.__dict__, "allowed_ips": a})
+        for (k, p), a in zip(
+            peers.items(), [(), ("10.9.0.2/32", "10.9.0.3/32"), ("10.9.0.4/32",)], strict=True
+        )
+    }
+    plan = plan_node(
+        [],
+        moved,
+        lambda _k: True,
+        mesh_prefixes=["10.9.0.0/16"],
+        own_prefixes=["10.9.0.1/32"],
+        baseline={k: p.allowed_ips for k, p in peers.items()},
+        fast_table=7701,
+        bulk_table=7702,
+        keep_current=True,
+    )
+    assert set(plan.allowed_ips["wg0"][C]) == {"10.9.0.2/32", "10.9.0.3/32", probe_prefix(C)}
+    assert plan.allowed_ips["wg0"][B] == (probe_prefix(B),)
