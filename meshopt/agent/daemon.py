@@ -414,7 +414,11 @@ class Agent:
                 peers=list(reports.values()),
                 counters=counters,
             )
-            if await self.bus.publish(self.topics.telemetry(self.cfg.node), encode(msg)):
+            # Full snapshots are retained: a controller or `meshopt routes` that starts
+            # later gets every node's latest picture at once.
+            if await self.bus.publish(
+                self.topics.telemetry(self.cfg.node), encode(msg), retain=full
+            ):
                 self.last_published = reports
                 if full:
                     self.last_full = now

@@ -3,7 +3,7 @@
 Every topic of a mesh lives under ``meshopt/<mesh>/`` so one broker can carry several
 meshes and an ACL can give each mesh (and each node) its own subtree::
 
-    meshopt/<mesh>/telemetry/<node>              agent -> controller, QoS 0, not retained
+    meshopt/<mesh>/telemetry/<node>              agent -> controller, QoS 0; full snapshots retained
     meshopt/<mesh>/status/<node>                 agent, retained; the agent's will sets it
                                                  offline when it dies
     meshopt/<mesh>/routes/<node>                 controller -> agent, retained, signed and
