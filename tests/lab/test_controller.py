@@ -1,0 +1,157 @@
+"""The controller in the closed loop: real agents, real mosquitto, wireguard-go (issue 5).
+
+One mesh for the module (topologies/lab4.yaml, single layout) with two controllers,
+ctl1 and ctl2, sharing one signing key: one holds the lease, the other stands by. The
+controllers accept telemetry only from n1..n4. Tests restore what they change.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshopt.bus.messages import decode_lease, decode_route_set, decode_signed_route_set
+from meshopt.lab.agents import controller_log
+from meshopt.lab.lab import Lab
+from meshopt.lab.mesh import LiveMesh, wait_until
+
+from .conftest import EXAMPLES, new_lab_id
+from .test_agent import bus_publish, bus_read
+from .tools import need_tools
+
+NODES = ["n1", "n2", "n3", "n4"]
+
+
+@pytest.fixture(scope="module")
+def mesh(lab_ok: None) -> Iterator[LiveMesh]:
+    need_tools("mosquitto", "wireguard-go", "ping", "wg", "mosquitto_sub", "mosquitto_pub")
+    lab = Lab.up(str(EXAMPLES / "lab4.yaml"), name=new_lab_id(), layout="single")
+    live = LiveMesh(lab, controller_settings={"nodes": NODES})
+    try:
+        live.start(controllers=("ctl1", "ctl2"))
+        relayed = wait_until(lambda: len(live.path("n1", "n4")) == 3, 40)
+        assert relayed is not None, f"n1->n4 never relayed:\n{live.logs()}"
+        time.sleep(2.0)
+        yield live
+    finally:
+        live.stop()
+        lab.down()
+
+
+def lease(lab: Lab) -> Any:
+    return decode_lease(bus_read(lab, f"meshopt/{lab.plan.name}/controller/lease")[0])
+
+
+def route_set(lab: Lab, node: str) -> Any:
+    raw = bus_read(lab, f"meshopt/{lab.plan.name}/routes/{node}")[0]
+    return decode_route_set(decode_signed_route_set(raw).payload)
+
+
+def active(lab: Lab) -> str:
+    return str(lease(lab).controller)
+
+
+def test_one_controller_publishes_and_routes_are_measured(mesh: LiveMesh) -> None:
+    lab = mesh.lab
+    holder = active(lab)
+    assert holder in ("ctl1", "ctl2")
+    sets = {n: route_set(lab, n) for n in NODES}
+    # Every route set comes from the lease holder, in its term, and is for its node.
+    assert {rs.controller for rs in sets.values()} == {holder}
+    assert {rs.term for rs in sets.values()} == {lease(lab).term}
+    assert all(rs.node == n for n, rs in sets.items())
+    # The relayed pair is what the pings see: 2 x 17 or 2 x 20 ms instead of 80 ms.
+    rtt = mesh.median_rtt("n1", "n4", count=20)
+    assert rtt is not None and rtt < 45.0
+
+
+def test_dead_agent_is_taken_out_of_the_graph(mesh: LiveMesh) -> None:
+    relay = mesh.path("n1", "n4")[1]
+    mesh.stop_agent(relay, kill=True)  # the will message tells the controller at once
+    try:
+        moved = wait_until(lambda: relay not in mesh.path("n1", "n4"), 10)
+        assert moved is not None, mesh.logs()
+        assert moved < 5.0
+        log = controller_log(mesh.lab, active(mesh.lab))
+        assert f"node {relay} offline" in log
+        # Nothing routes through the dead agent's node any more.
+        hops = mesh.next_hops()
+        for a in NODES:
+            for b in NODES:
+                if relay not in (a, b) and a != b:
+                    assert relay not in mesh.path_from(hops, a, b)[1:-1], (a, b)
+    finally:
+        mesh.start_agent(relay)
+    assert wait_until(lambda: len(mesh.path("n1", "n4")) == 3, 30) is not None
+
+
+def test_bad_telemetry_is_refused_and_the_loop_keeps_running(
+    mesh: LiveMesh, tmp_path: Path
+) -> None:
+    lab = mesh.lab
+    name = lab.plan.name
+    good = json.loads(bus_read(lab, f"meshopt/{name}/telemetry/n3")[0])
+    ghost = {**good, "node": "ghost", "seq": 1, "sent_at": time.time()}
+    negative = {**good, "sent_at": time.time() + 1, "peers": [{**good["peers"][0]}]}
+    negative["peers"][0]["rtt_ms"] = -5.0
+    lossy = {**good, "sent_at": time.time() + 2, "peers": [{**good["peers"][0]}]}
+    lossy["peers"][0]["loss"] = 1.5
+    wrong_topic = {**good, "sent_at": time.time() + 3}
+    before = {n: route_set(lab, n).routes for n in NODES}
+    holder = active(lab)
+    for topic, payload in (
+        (f"meshopt/{name}/telemetry/ghost", json.dumps(ghost).encode()),
+        (f"meshopt/{name}/telemetry/n3", json.dumps(negative).encode()),
+        (f"meshopt/{name}/telemetry/n3", json.dumps(lossy).encode()),
+        (f"meshopt/{name}/telemetry/n2", json.dumps(wrong_topic).encode()),
+        (f"meshopt/{name}/telemetry/n3", b"\xff not json"),
+    ):
+        bus_publish(lab, topic, payload, tmp_path)
+    time.sleep(1.5)
+    log = controller_log(lab, holder)
+    for reason in (
+        "telemetry_unknown_node",
+        "telemetry_bad_value",
+        "telemetry_node_mismatch",
+        "telemetry_bad_json",
+    ):
+        assert reason in log, reason
+    assert mesh.controllers[holder].poll() is None, "the controller died on bad input"
+    # Still the only publisher, still renewing its lease, and nothing about the ghost.
+    first = lease(lab)
+    time.sleep(1.5)
+    again = lease(lab)
+    assert again.controller == holder and again.expires_at > first.expires_at
+    after = {n: route_set(lab, n).routes for n in NODES}
+    assert set(after) == set(before) and all(len(r) == 3 for r in after.values())
+
+
+def test_standby_takes_over_and_routes_stay(mesh: LiveMesh) -> None:
+    lab = mesh.lab
+    holder = active(lab)
+    standby = "ctl2" if holder == "ctl1" else "ctl1"
+    installed = {n: mesh.installed(n) for n in NODES}
+    t0 = time.monotonic()
+    mesh.stop_controller(holder, kill=True)
+    took = wait_until(lambda: active(lab) == standby, 10, interval=0.2)
+    assert took is not None, mesh.logs()
+    assert time.monotonic() - t0 < 5.0
+    # Routes stayed in place meanwhile (agents are fail-static).
+    assert {n: mesh.installed(n) for n in NODES} == installed
+    # The new controller acts: a node going away is routed around under its name.
+    relay = mesh.path("n1", "n4")[1]
+    mesh.stop_agent(relay, kill=True)
+    try:
+        assert wait_until(lambda: relay not in mesh.path("n1", "n4"), 10) is not None
+        assert route_set(lab, "n1").controller == standby
+    finally:
+        mesh.start_agent(relay)
+        mesh.start_controller(holder)  # back as the standby
+    assert wait_until(lambda: len(mesh.path("n1", "n4")) == 3, 30) is not None
+    time.sleep(2.0)
+    assert active(lab) == standby  # the restarted one did not take the lease back
