@@ -8,6 +8,7 @@ import click
 
 from meshopt import __version__
 from meshopt.cli.agent_cmd import agent_cmd
+from meshopt.cli.bench_cmd import bench_group
 from meshopt.cli.controller_cmd import controller_group
 from meshopt.cli.demo_cmd import demo_cmd
 from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
@@ -39,6 +40,7 @@ cli.add_command(transfer_group)
 cli.add_command(agent_cmd)
 cli.add_command(controller_group)
 cli.add_command(demo_cmd)
+cli.add_command(bench_group)
 
 
 def main(argv: list[str] | None = None) -> int:

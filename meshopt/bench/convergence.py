@@ -1,0 +1,241 @@
+"""``meshopt bench convergence``: the closed loop's figures on an 8-node live mesh.
+
+Every run builds a fresh lab (topologies/bench8.yaml unless told otherwise, single
+layout, wireguard-go, a real mosquitto), starts an agent per node and two controllers,
+and measures with real pings:
+
+* **route quality**: every pair's ping RTT against the optimum on the emulated
+  underlay (goal: all within 5 %);
+* **degradation**: the direct link whose five-fold delay makes a relay win (b-c in
+  bench8); the time until pings follow the better path (goal <= 3 s);
+* **failure**: the busiest relay is cut off; the time until a pair it relayed gets
+  through again (goal <= 1 s: local fail-over);
+* **controller fail-over**: the active controller is killed; the time until the
+  standby holds the lease, and whether any installed route changed meanwhile;
+* **stability** (once, not per run, it is long): ``stability_s`` seconds with every
+  link's delay jittering by +/- 20 % (a normal jitter of 11.5 % of the delay, the
+  standard deviation of a +/- 20 % uniform spread); route changes per pair per hour
+  (goal <= 1), counted from the nodes' next hops polled every second.
+
+Figures are medians over runs; the JSON keeps every run's value too.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from meshopt.bus.messages import decode_lease
+from meshopt.demo import busiest_relay, pick_degradation
+from meshopt.lab.lab import Lab
+from meshopt.lab.measure import (
+    on_optimum,
+    optimum,
+    outage_time,
+    pairs,
+    reroute_time,
+    route_quality,
+    summary,
+)
+from meshopt.lab.mesh import LiveMesh, wait_until
+from meshopt.metric import Metric
+from meshopt.policy import PolicyConfig
+
+Progress = Callable[[str], None]
+TOPOLOGY = Path(__file__).resolve().parents[2] / "topologies" / "bench8.yaml"
+
+
+@dataclass
+class RunResult:
+    converged_s: float | None = None
+    within_5pct: int = 0
+    pairs: int = 0
+    median_error: float | None = None
+    worst: list[dict[str, Any]] = field(default_factory=list)
+    degradation_s: float | None = None
+    failure_s: float | None = None
+    controller_failover_s: float | None = None
+    routes_moved_during_failover: int | None = None
+
+
+def read_lease(lab: Lab) -> tuple[str, float] | None:
+    """(holder, expiry) of the retained lease, read on the host."""
+    import subprocess
+
+    topic = f"meshopt/{lab.plan.name}/controller/lease"
+    argv = ["mosquitto_sub", "--unix", str(lab.broker_socket), "-t", topic, "-C", "1", "-W", "3"]
+    out = subprocess.run(argv, capture_output=True, timeout=10).stdout.strip()
+    if not out:
+        return None
+    lease = decode_lease(out)
+    return lease.controller, lease.expires_at
+
+
+def one_run(
+    topology: str,
+    index: int,
+    progress: Progress,
+    layout: Literal["single", "per-peer"] = "single",
+) -> RunResult:
+    res = RunResult()
+    lab = Lab.up(topology, name=f"bench{index}", layout=layout)
+    mesh = LiveMesh(lab)
+    try:
+        mesh.start(controllers=("ctl1", "ctl2"))
+        best = optimum(mesh, Metric())
+        t0 = time.monotonic()
+        abs_ms = PolicyConfig().abs_margin_ms
+        res.converged_s = wait_until(
+            lambda: on_optimum(mesh, best, rel=0.05, abs_ms=abs_ms)[0] == len(pairs(mesh.nodes)),
+            90,
+            interval=0.5,
+        )
+        progress(f"run {index}: converged after {res.converged_s} s (from agent start)")
+        time.sleep(2.0)
+        quality = route_quality(mesh, count=10)
+        errs = [q.error for q in quality if q.error is not None]
+        res.pairs = len(quality)
+        res.within_5pct = sum(1 for e in errs if e <= 0.05)
+        res.median_error = statistics.median(errs) if errs else None
+        res.worst = [
+            {"pair": f"{q.src}->{q.dst}", "achieved_ms": q.achieved_ms, "optimum_ms": q.optimum_ms}
+            for q in sorted(quality, key=lambda q: -(q.error or 0))[:3]
+        ]
+        progress(f"run {index}: {res.within_5pct}/{res.pairs} pairs within 5 % of the optimum")
+
+        deg = pick_degradation(lab.topo, best, symmetric=layout == "single")
+        if deg is not None:
+            a, b = deg.link
+            slow = lab.topo.link(a, b).delay_ms * 5
+            threshold = (deg.direct_after_ms + deg.better_ms) / 2
+            res.degradation_s = reroute_time(
+                mesh, a, b, lambda: lab.set(f"{a}-{b} delay={slow:g}ms"), lambda r: r < threshold
+            )
+            progress(f"run {index}: {a}-{b} x5 rerouted after {res.degradation_s} s")
+
+        relay, affected = busiest_relay(mesh)
+        sample = [p for p in affected if relay not in p][:1]
+        if sample:
+            a, b = sample[0]
+            res.failure_s = outage_time(mesh, a, b, lambda: lab.set(f"node={relay} down"))
+            progress(f"run {index}: relay {relay} down, {a}->{b} back after {res.failure_s} s")
+            lab.set(f"node={relay} up")
+            time.sleep(2.0)
+
+        lease = read_lease(lab)
+        if lease is not None:
+            holder = lease[0]
+            before = {n: mesh.installed(n) for n in mesh.nodes}
+            t0 = time.monotonic()
+            mesh.stop_controller(holder, kill=True)
+            other = "ctl2" if holder == "ctl1" else "ctl1"
+
+            def taken() -> bool:
+                now = read_lease(lab)
+                return now is not None and now[0] == other
+
+            res.controller_failover_s = wait_until(taken, 15, interval=0.1)
+            if res.controller_failover_s is not None:
+                res.controller_failover_s = time.monotonic() - t0
+            after = {n: mesh.installed(n) for n in mesh.nodes}
+            res.routes_moved_during_failover = sum(
+                1 for n in before for d in before[n] if after[n].get(d) != before[n][d]
+            )
+            progress(f"run {index}: standby took over after {res.controller_failover_s} s")
+        return res
+    finally:
+        mesh.stop()
+        lab.down()
+
+
+def stability(
+    topology: str, seconds: float, progress: Progress, jitter_share: float = 0.115
+) -> dict[str, Any]:
+    lab = Lab.up(topology, name="benchstab", layout="single")
+    mesh = LiveMesh(lab)
+    try:
+        mesh.start()
+        best = optimum(mesh, Metric())
+        wait_until(
+            lambda: on_optimum(mesh, best, rel=0.05, abs_ms=5.0)[0] == len(pairs(mesh.nodes)),
+            90,
+            interval=0.5,
+        )
+        topo = lab.topo
+        for a, b in pairs(topo.names):
+            if a < b:
+                d = topo.link(a, b).delay_ms
+                lab.set(f"{a}-{b} jitter={d * jitter_share:.3f}ms")
+        time.sleep(5.0)  # let the estimates take the new jitter in
+        prev = mesh.next_hops()
+        changes = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(1.0)
+            hops = mesh.next_hops()
+            for src, table in hops.items():
+                old = prev.get(src, {})
+                changes += sum(1 for d in set(table) | set(old) if table.get(d) != old.get(d))
+            prev = hops
+        n_pairs = len(pairs(mesh.nodes))
+        per_pair_hour = changes / n_pairs / (seconds / 3600.0)
+        progress(f"stability: {changes} next-hop changes in {seconds:g} s")
+        return {
+            "seconds": seconds,
+            "jitter_share_of_delay": jitter_share,
+            "next_hop_changes": changes,
+            "changes_per_pair_hour": per_pair_hour,
+            "goal": "<= 1",
+            "ok": per_pair_hour <= 1.0,
+        }
+    finally:
+        mesh.stop()
+        lab.down()
+
+
+def bench(
+    *,
+    topology: str | None = None,
+    runs: int = 3,
+    stability_s: float = 600.0,
+    progress: Progress = lambda _: None,
+) -> dict[str, Any]:
+    topo = topology or str(TOPOLOGY)
+    started = time.monotonic()
+    results = [one_run(topo, i, progress) for i in range(runs)]
+
+    def med(key: str) -> dict[str, float | int | None]:
+        return summary([getattr(r, key) for r in results])
+
+    within = [r.within_5pct / r.pairs for r in results if r.pairs]
+    out: dict[str, Any] = {
+        "topology": topo,
+        "runs": runs,
+        "route_quality": {
+            "share_within_5pct": statistics.median(within) if within else None,
+            "median_error": summary([r.median_error for r in results])["median"],
+            "worst_pairs_by_run": [r.worst for r in results],
+            "goal": "every pair within 5 % of the optimum",
+            "ok": bool(within) and min(within) == 1.0,
+        },
+        "initial_convergence_s": med("converged_s"),
+        "degradation_s": {**med("degradation_s"), "goal": "<= 3"},
+        "failure_s": {**med("failure_s"), "goal": "<= 1"},
+        "controller_failover_s": {
+            **med("controller_failover_s"),
+            "goal": "<= 5",
+            "routes_moved": [r.routes_moved_during_failover for r in results],
+        },
+        "per_run": [r.__dict__ for r in results],
+    }
+    for key in ("degradation_s", "failure_s", "controller_failover_s"):
+        m = out[key]["median"]
+        out[key]["ok"] = m is not None and m <= float(out[key]["goal"].split()[-1])
+    if stability_s > 0:
+        out["stability"] = stability(topo, stability_s, progress)
+    out["wall_s"] = time.monotonic() - started
+    return out

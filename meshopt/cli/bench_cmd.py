@@ -1,0 +1,56 @@
+"""``meshopt bench``: benchmarks on live labs (needs root)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import click
+
+from meshopt.cli.common import console
+from meshopt.errors import InputError
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Benchmarks on live namespace meshes; JSON on stdout."""
+
+
+@bench_group.command("convergence")
+@click.argument("topology", required=False, metavar="[TOPOLOGY]")
+@click.option("--runs", default=3, show_default=True, help="Runs per figure (medians).")
+@click.option(
+    "--stability-s",
+    default=600.0,
+    show_default=True,
+    help="Seconds of +/-20 %% jitter for the stability figure (0: skip).",
+)
+@click.option("--quick", is_flag=True, help="One run and 60 s of stability.")
+@click.option(
+    "--baseline",
+    type=click.Path(dir_okay=False, exists=True),
+    help="An earlier JSON result: print each median's ratio to it.",
+)
+def convergence_cmd(
+    topology: str | None, runs: int, stability_s: float, quick: bool, baseline: str | None
+) -> None:
+    """Route quality, re-route, fail-over and stability on an 8-node live mesh."""
+    if os.geteuid() != 0:
+        raise InputError("meshopt bench convergence needs root (network namespaces)")
+    if runs < 1:
+        raise InputError("--runs must be at least 1")
+    from meshopt.bench.convergence import bench
+
+    if quick:
+        runs, stability_s = 1, min(stability_s, 60.0)
+    err = console(stderr=True)
+    result = bench(topology=topology, runs=runs, stability_s=stability_s, progress=err.log)
+    if baseline is not None:
+        base = json.loads(Path(baseline).read_text())
+        ratios = {}
+        for key in ("degradation_s", "failure_s", "controller_failover_s"):
+            a, b = result[key].get("median"), base.get(key, {}).get("median")
+            ratios[key] = a / b if a is not None and b else None
+        result["ratio_to_baseline"] = ratios
+    click.echo(json.dumps(result, indent=2, default=str))
