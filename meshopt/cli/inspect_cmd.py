@@ -1,4 +1,5 @@
-"""``meshopt path``, ``routes`` and ``gains`` on a topology (offline)."""
+"""``meshopt path``, ``routes`` and ``gains``: on a topology (offline), or live from a
+broker when no TOPOLOGY is given (see live_cmd.py)."""
 
 from __future__ import annotations
 
@@ -17,20 +18,56 @@ from meshopt.cli.common import (
     routing_options,
     topology_argument,
 )
+from meshopt.cli.live_cmd import (
+    LIVE_HELP,
+    live_options,
+    live_path,
+    live_routes,
+    open_view,
+    refuse_live_options,
+    refuse_offline_options,
+)
 from meshopt.cli.render import render_gains, render_path, render_routes
 from meshopt.sim.report import json_safe
 
 
-@click.command("path")
-@topology_argument
-@click.argument("a")
-@click.argument("b")
+@click.command(
+    "path",
+    help="""Best path from A to B: hops, per-hop and total RTT, versus the direct tunnel.
+
+\b
+meshopt path TOPOLOGY A B    offline: the best path the topology allows
+meshopt path A B             live: the path the mesh uses now, hop by hop through
+                             the installed route sets, with measured RTTs
+"""
+    + LIVE_HELP,
+)
+@click.argument("args", nargs=-1, metavar="[TOPOLOGY] A B")
 @routing_options
+@live_options
 @json_option
+@click.pass_context
 def path_cmd(
-    topology: str, a: str, b: str, symmetric: bool, relay_cost: str, as_json: bool
+    ctx: click.Context,
+    args: tuple[str, ...],
+    symmetric: bool,
+    relay_cost: str,
+    broker: str | None,
+    mesh: str | None,
+    lab: str | None,
+    controller_keys: tuple[str, ...],
+    timeout: float,
+    as_json: bool,
 ) -> None:
-    """Best path from A to B: hops, per-hop and total RTT, versus the direct tunnel."""
+    if len(args) == 2:
+        refuse_offline_options(ctx)
+        view = open_view(broker, mesh, lab, controller_keys, timeout)
+        live_path(view, args[0], args[1], as_json)
+        return
+    if len(args) != 3:
+        raise click.UsageError(f"want TOPOLOGY A B or A B, got {len(args)} arguments")
+    refuse_live_options(ctx, "TOPOLOGY")
+    topology, a, b = args
     topo = open_topology(topology)
     need_node(topo, a)
     need_node(topo, b)
@@ -41,15 +78,42 @@ def path_cmd(
         render_path(console(), info)
 
 
-@click.command("routes")
-@topology_argument
+@click.command(
+    "routes",
+    help="""The next-hop table of each node, with backup next hops.
+
+\b
+meshopt routes TOPOLOGY      offline: the routes each node would install
+meshopt routes               live: the routes each node has from the controller now,
+                             with the measured RTT of each path and since when
+"""
+    + LIVE_HELP,
+)
+@click.argument("topology", metavar="[TOPOLOGY]", required=False)
 @click.option("--node", "nodes", multiple=True, help="Only this node (repeatable).")
 @routing_options
+@live_options
 @json_option
+@click.pass_context
 def routes_cmd(
-    topology: str, nodes: tuple[str, ...], symmetric: bool, relay_cost: str, as_json: bool
+    ctx: click.Context,
+    topology: str | None,
+    nodes: tuple[str, ...],
+    symmetric: bool,
+    relay_cost: str,
+    broker: str | None,
+    mesh: str | None,
+    lab: str | None,
+    controller_keys: tuple[str, ...],
+    timeout: float,
+    as_json: bool,
 ) -> None:
-    """The next-hop table each node would install, with backup next hops."""
+    if topology is None:
+        refuse_offline_options(ctx)
+        view = open_view(broker, mesh, lab, controller_keys, timeout)
+        live_routes(view, nodes, as_json)
+        return
+    refuse_live_options(ctx, "TOPOLOGY")
     topo = open_topology(topology)
     for name in nodes:
         need_node(topo, name)

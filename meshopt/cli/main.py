@@ -13,6 +13,7 @@ from meshopt.cli.controller_cmd import controller_group
 from meshopt.cli.demo_cmd import demo_cmd
 from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
 from meshopt.cli.lab_cmd import lab_group
+from meshopt.cli.live_cmd import graph_cmd
 from meshopt.cli.sim_cmd import sim_cmd
 from meshopt.cli.topology_cmd import topology_group
 from meshopt.cli.transfer_cmd import transfer_group
@@ -34,6 +35,7 @@ cli.add_command(sim_cmd)
 cli.add_command(path_cmd)
 cli.add_command(routes_cmd)
 cli.add_command(gains_cmd)
+cli.add_command(graph_cmd)
 cli.add_command(topology_group)
 cli.add_command(lab_group)
 cli.add_command(transfer_group)

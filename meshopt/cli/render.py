@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.table import Table
 
 from meshopt.analysis import PathInfo, RouteEntry
+from meshopt.live import LivePath, NodeRoutes, age_text
 from meshopt.sim.report import GainSummary, SimReport
 from meshopt.units import format_ms
 
@@ -129,3 +132,76 @@ def render_sim(c: Console, r: SimReport) -> None:
     if r.max_changes_pair:
         top = ", ".join(f"{a}↔{b} {n}" for a, b, n in r.max_changes_pair[:5])
         c.print(f"  most changed pairs: {top}")
+
+
+# --- a live mesh (read from the broker) ------------------------------------------------
+
+
+def when_text(t: float | None, now: float | None = None) -> str:
+    """'2024-05-01 12:00:03 (14 s ago)'; '-' when unknown."""
+    if t is None:
+        return "-"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    return f"{stamp} ({age_text(t, time.time() if now is None else now)})"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else format_ms(value)
+
+
+def _checked(verified: bool | None) -> str:
+    return "unverified" if verified is None else ("signature verified" if verified else "BAD")
+
+
+def render_live_routes(c: Console, r: NodeRoutes) -> None:
+    online = {None: "no status", True: "agent online", False: "[bold red]agent offline[/]"}
+    t = Table(
+        title=(
+            f"routes of {r.node}: version {r.version} from {r.controller} (term {r.term}), "
+            f"since {when_text(r.issued_at)}, {_checked(r.verified)}, {online[r.online]}"
+        ),
+        title_justify="left",
+    )
+    for col in ("destination", "table", "next hop", "backup", "RTT", "direct", "path"):
+        t.add_column(col, justify="right" if col in ("RTT", "direct") else "left")
+    for e in r.routes:
+        t.add_row(
+            e.dst,
+            e.table,
+            f"[bold yellow]{e.next_hop}[/]" if e.relayed else e.next_hop,
+            e.backup or "-",
+            _ms(e.rtt_ms),
+            _ms(e.direct_rtt_ms),
+            " → ".join(e.path) if e.path else "-",
+        )
+    if not r.routes:
+        t.add_row("(no routes)", "", "", "", "", "", "")
+    c.print(t)
+
+
+def render_live_path(c: Console, p: LivePath) -> None:
+    t = Table(title=f"{p.src} → {p.dst} (as the route sets forward now)", title_justify="left")
+    t.add_column("hop")
+    t.add_column("measured RTT", justify="right")
+    for h in p.hops:
+        t.add_row(f"{h.src} → {h.dst}", _ms(h.rtt_ms))
+    c.print(t)
+    if not p.complete:
+        c.print(f"path: {' → '.join(p.nodes)} [bold red]broken[/]: {p.problem}")
+    else:
+        via = " via " + ", ".join(p.relays) if p.relays else " (direct tunnel)"
+        c.print(f"path: {' → '.join(p.nodes)}{via}")
+        c.print(f"total RTT {_ms(p.rtt_ms)} (sum of the measured hops)")
+    gain = p.gain_ms
+    if p.direct_rtt_ms is None:
+        c.print("direct tunnel: no measurement")
+    elif p.relays and gain is not None:
+        pct = 100 * gain / p.direct_rtt_ms if p.direct_rtt_ms else 0.0
+        colour = "green" if gain >= 0 else "red"
+        c.print(
+            f"direct tunnel: RTT {format_ms(p.direct_rtt_ms)}: relaying saves "
+            f"[bold {colour}]{format_ms(gain)}[/] ({pct:.0f}%)"
+        )
+    else:
+        c.print(f"direct tunnel: RTT {format_ms(p.direct_rtt_ms)}")
+    c.print(f"since {when_text(p.since)} (newest route set along the path)")

@@ -1,0 +1,252 @@
+"""The live forms of ``routes`` and ``path``, and ``graph``: what a running mesh does now.
+
+They read the retained messages of one mesh from its broker (see meshopt/live.py):
+route sets as the controller published them, telemetry as the agents measured. The
+offline forms (with a TOPOLOGY) live in inspect_cmd.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import click
+
+from meshopt.bus.client import parse_broker
+from meshopt.cli.common import F, console, json_option, print_json
+from meshopt.cli.render import render_live_path, render_live_routes
+from meshopt.errors import InputError
+from meshopt.live import LivePath, LiveView, NodeRoutes, read_view
+from meshopt.sim.report import json_safe
+
+DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
+LIVE_PARAMS = ("broker", "mesh", "lab", "controller_keys", "timeout")
+
+LIVE_HELP = """
+Live form (no TOPOLOGY): read the mesh's retained route sets and telemetry from its
+broker. --broker mqtt://host:port or unix:///path (default $MESHOPT_BROKER, else
+mqtt://127.0.0.1:1883); --mesh NAME (default $MESHOPT_MESH, else the only mesh on the
+broker); --lab NAME takes both from a running `meshopt lab`. Route sets are shown
+unverified unless --controller-key is given.
+"""
+
+
+def live_options(f: F) -> F:
+    f = click.option(
+        "--timeout",
+        type=float,
+        default=5.0,
+        show_default=True,
+        help="Live: seconds to wait for the broker.",
+    )(f)
+    f = click.option(
+        "--controller-key",
+        "controller_keys",
+        multiple=True,
+        metavar="KEY",
+        help="Live: verify route sets against this controller public key (base64 or a "
+        "file; repeatable). Sets that do not verify are left out with a warning.",
+    )(f)
+    f = click.option(
+        "--lab", metavar="NAME", help="Live: the broker and mesh of this running lab."
+    )(f)
+    f = click.option(
+        "--mesh", envvar="MESHOPT_MESH", metavar="NAME", help="Live: the mesh to read."
+    )(f)
+    f = click.option(
+        "--broker",
+        envvar="MESHOPT_BROKER",
+        metavar="URL",
+        help=f"Live: mqtt://host:port or unix:///path [default: {DEFAULT_BROKER}]",
+    )(f)
+    return f
+
+
+def refuse_live_options(ctx: click.Context, what: str) -> None:
+    """The offline form takes no broker options: say so instead of ignoring them."""
+    given = [
+        p
+        for p in LIVE_PARAMS
+        if ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        opts = ", ".join("--" + p.replace("_", "-").removesuffix("s") for p in given)
+        raise InputError(f"{opts}: only for the live form (without {what})")
+
+
+def refuse_offline_options(ctx: click.Context) -> None:
+    """The live form reads the routes the controller chose: routing options do not apply."""
+    given = [
+        p
+        for p in ("symmetric", "relay_cost")
+        if ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        opts = ", ".join("--" + p.replace("_", "-") for p in given)
+        raise InputError(f"{opts}: only for the offline form (with a TOPOLOGY)")
+
+
+def open_view(
+    broker: str | None,
+    mesh: str | None,
+    lab: str | None,
+    controller_keys: Sequence[str],
+    timeout: float,
+) -> LiveView:
+    if lab is not None:
+        from meshopt.lab.lab import Lab
+
+        attached = Lab.attach(lab)
+        broker = f"unix://{attached.broker_socket}"
+        if mesh is not None and mesh != attached.plan.name:
+            raise InputError(f"lab {lab} runs mesh {attached.plan.name}, not {mesh}")
+        mesh = attached.plan.name
+    if timeout <= 0:
+        raise InputError("--timeout must be positive")
+    address = parse_broker(broker or DEFAULT_BROKER)
+    keys: list[str] = list(controller_keys)
+    if keys:
+        from meshopt.bus.signing import load_public_key
+
+        for k in keys:
+            load_public_key(k)  # a bad key is a clear error now, not "nothing verified"
+    view = read_view(address, mesh, trusted_keys=keys, timeout_s=timeout)
+    warn = console(stderr=True)
+    for line in view.warnings:
+        warn.print(f"meshopt: warning: {line}", markup=False)
+    return view
+
+
+def _when(t: float | None) -> dict[str, Any]:
+    iso = None if t is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+    return {"since": t, "since_iso": iso}
+
+
+def node_routes_json(r: NodeRoutes) -> dict[str, Any]:
+    d = asdict(r)
+    d.update(_when(r.issued_at))
+    d["routes"] = [{**asdict(e), "relayed": e.relayed} for e in r.routes]
+    return d
+
+
+def path_json(view: LiveView, p: LivePath) -> dict[str, Any]:
+    return {
+        "mesh": view.mesh,
+        "src": p.src,
+        "dst": p.dst,
+        "table": p.table,
+        "path": p.nodes,
+        "complete": p.complete,
+        "problem": p.problem or None,
+        "relays": p.relays,
+        "hops": [asdict(h) for h in p.hops],
+        "rtt_ms": p.rtt_ms,
+        "direct_rtt_ms": p.direct_rtt_ms,
+        "gain_ms": p.gain_ms,
+        **_when(p.since),
+    }
+
+
+def _need_node(view: LiveView, name: str, *, routes: bool = False) -> None:
+    known = sorted(view.route_sets) if routes else view.nodes
+    if name not in known:
+        what = "with a route set " if routes else ""
+        raise InputError(f"no node {name!r} {what}in mesh {view.mesh} (nodes: {', '.join(known)})")
+
+
+def live_routes(view: LiveView, nodes: Sequence[str], as_json: bool) -> None:
+    for name in nodes:
+        _need_node(view, name, routes=True)
+    chosen = list(nodes) or sorted(view.route_sets)
+    tables = {n: r for n in chosen if (r := view.routes(n)) is not None}
+    if as_json:
+        lease = None if view.lease is None else asdict(view.lease)
+        print_json(
+            json_safe(
+                {
+                    "mesh": view.mesh,
+                    "broker": view.broker,
+                    "lease": lease,
+                    "warnings": view.warnings,
+                    "nodes": {n: node_routes_json(r) for n, r in tables.items()},
+                }
+            )
+        )
+        return
+    c = console()
+    for r in tables.values():
+        render_live_routes(c, r)
+
+
+def live_path(view: LiveView, a: str, b: str, as_json: bool) -> None:
+    _need_node(view, a)
+    _need_node(view, b)
+    if a == b:
+        raise InputError(f"path from {a} to itself")
+    p = view.path(a, b)
+    if as_json:
+        print_json(json_safe(path_json(view, p)))
+    else:
+        render_live_path(console(), p)
+
+
+@click.command("graph", help=LIVE_HELP)
+@click.option(
+    "--out",
+    required=True,
+    metavar="FILE",
+    help="Picture to write: mesh.svg or mesh.png (by the suffix).",
+)
+@live_options
+@json_option
+def graph_cmd(
+    out: str,
+    broker: str | None,
+    mesh: str | None,
+    lab: str | None,
+    controller_keys: tuple[str, ...],
+    timeout: float,
+    as_json: bool,
+) -> None:
+    """Picture of a live mesh: tunnels with measured RTTs, relay routes drawn in colour."""
+    from meshopt.picture import draw_mesh
+
+    view = open_view(broker, mesh, lab, controller_keys, timeout)
+    topo, labels = view.picture_inputs()
+    relays = view.relay_paths()
+    down = sorted(n for n, s in view.status.items() if not s.online and n in view.telemetry)
+    version = max((rs.version for rs in view.route_sets.values()), default=0)
+    controllers = sorted({rs.controller for rs in view.route_sets.values()})
+    title = (
+        f"mesh {view.mesh}: measured RTT, relay routes in colour "
+        f"(route sets from {', '.join(controllers)}, newest version {version})"
+    )
+    draw_mesh(topo, out, edge_label_ms=labels, relay_paths=relays, down_nodes=down, title=title)
+    if as_json:
+        edges = [
+            {
+                "a": a,
+                "b": b,
+                "rtt_ms": view.measured_rtt(a, b),
+                "rtt_back_ms": view.measured_rtt(b, a),
+            }
+            for a, b in topo.tunnel_pairs()
+        ]
+        print_json(
+            json_safe(
+                {
+                    "mesh": view.mesh,
+                    "out": out,
+                    "nodes": topo.names,
+                    "down": down,
+                    "relay_paths": relays,
+                    "tunnels": edges,
+                    "warnings": view.warnings,
+                }
+            )
+        )
+        return
+    shown = "; ".join(" → ".join(p) for p in relays) or "none"
+    click.echo(f"picture written to {out}: {topo.n} nodes, relay paths: {shown}")
