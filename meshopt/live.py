@@ -20,7 +20,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -482,11 +482,13 @@ def read_view(
     trusted_keys: Sequence[PublicKeyLike] = (),
     quiet_s: float = QUIET_S,
     timeout_s: float = TIMEOUT_S,
+    warn: Callable[[str], None] | None = None,
 ) -> LiveView:
     """Read the broker and assemble mesh ``mesh`` (None: the only mesh on the broker).
 
     LiveError when no mesh or several are seen and none was named, or when the mesh has
-    no route sets (nothing to inspect: no controller has published).
+    no route sets (nothing to inspect: no controller has published). ``warn`` gets each
+    skipped message's line first, so the reason for an empty view is visible.
     """
     topic_filter = f"{ROOT}/+/#" if mesh is None else f"{Topics(mesh).prefix}/#"
     messages = asyncio.run(read_bus(broker, topic_filter, quiet_s=quiet_s, timeout_s=timeout_s))
@@ -498,6 +500,9 @@ def read_view(
             raise LiveError(f"several meshes on {broker} ({', '.join(seen)}): pick one with --mesh")
         mesh = seen[0]
     view = assemble(mesh, messages, trusted_keys=trusted_keys, broker=str(broker))
+    if warn is not None:
+        for line in view.warnings:
+            warn(line)
     if not view.route_sets:
         raise LiveError(f"no route sets for mesh {mesh} on {broker} — is a controller running?")
     return view

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 import click
+import msgspec
 
 from meshopt.bus.client import parse_broker
 from meshopt.cli.common import F, console, json_option, print_json
@@ -112,11 +113,12 @@ def open_view(
 
         for k in keys:
             load_public_key(k)  # a bad key is a clear error now, not "nothing verified"
-    view = read_view(address, mesh, trusted_keys=keys, timeout_s=timeout)
-    warn = console(stderr=True)
-    for line in view.warnings:
-        warn.print(f"meshopt: warning: {line}", markup=False)
-    return view
+    err = console(stderr=True)
+
+    def warn(line: str) -> None:
+        err.print(f"meshopt: warning: {line}", markup=False)
+
+    return read_view(address, mesh, trusted_keys=keys, timeout_s=timeout, warn=warn)
 
 
 def _when(t: float | None) -> dict[str, Any]:
@@ -162,7 +164,7 @@ def live_routes(view: LiveView, nodes: Sequence[str], as_json: bool) -> None:
     chosen = list(nodes) or sorted(view.route_sets)
     tables = {n: r for n in chosen if (r := view.routes(n)) is not None}
     if as_json:
-        lease = None if view.lease is None else asdict(view.lease)
+        lease = None if view.lease is None else msgspec.structs.asdict(view.lease)
         print_json(
             json_safe(
                 {
