@@ -62,6 +62,21 @@ class RouteSettings:
 
 
 @dataclass(frozen=True)
+class BulkSettings:
+    """The bulk traffic class: which packets take the bulk table (widest paths, tuned TCP).
+
+    ``dports``: "5000-5100/tcp" or "873/tcp"; ``fwmarks``: "0x10" or "0x10/0xff"
+    (mark packets with nftables/iptables, e.g. by DSCP); ``tos``: TOS/traffic-class
+    bytes (IPv4 rules only see the old TOS bits: prefer a fwmark for DSCP classes).
+    """
+
+    enabled: bool = False
+    dports: tuple[str, ...] = ("51897/tcp",)  # meshopt transfer's own port
+    fwmarks: tuple[str, ...] = ()
+    tos: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class TransferSettings:
     enabled: bool = False
     directory: str = "/var/lib/meshopt/incoming"
@@ -85,6 +100,7 @@ class AgentConfig:
     bandwidth: BandwidthSettings = field(default_factory=BandwidthSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     routes: RouteSettings = field(default_factory=RouteSettings)
+    bulk: BulkSettings = field(default_factory=BulkSettings)
     transfer: TransferSettings = field(default_factory=TransferSettings)
 
 
@@ -93,6 +109,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "bandwidth": BandwidthSettings,
     "telemetry": TelemetrySettings,
     "routes": RouteSettings,
+    "bulk": BulkSettings,
     "transfer": TransferSettings,
 }
 
@@ -156,5 +173,42 @@ def check_config(cfg: AgentConfig) -> None:
             raise InputError(f"routes.{name} must be a table id other than local/main/default")
     if r.fast_table == r.bulk_table:
         raise InputError("routes.fast_table and routes.bulk_table must differ")
+    bulk_classifier(cfg)  # raises InputError naming the bad entry
     if cfg.telemetry.full_interval_s < cfg.telemetry.check_interval_s:
         raise InputError("telemetry.full_interval_s must be >= telemetry.check_interval_s")
+
+
+def _number(text: str, what: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise InputError(f"{what}: {text!r} is not a number") from None
+
+
+def bulk_classifier(
+    cfg: AgentConfig,
+) -> tuple[list[tuple[int, int, str]], list[tuple[int, int | None]], list[int]]:
+    """(dport ranges, fwmarks, tos values) of the [bulk] section, checked."""
+    dports: list[tuple[int, int, str]] = []
+    for entry in cfg.bulk.dports:
+        ports, _, proto = entry.partition("/")
+        lo, _, hi = ports.partition("-")
+        first = _number(lo, "bulk.dports")
+        last = _number(hi, "bulk.dports") if hi else first
+        if not 1 <= first <= last <= 65534:
+            raise InputError(f"bulk.dports: {entry!r} must be PORT[-PORT]/PROTO within 1..65534")
+        if proto not in ("tcp", "udp", "sctp", "dccp"):
+            raise InputError(f"bulk.dports: {entry!r} needs /tcp, /udp, /sctp or /dccp")
+        dports.append((first, last, proto))
+    marks: list[tuple[int, int | None]] = []
+    for entry in cfg.bulk.fwmarks:
+        mark, _, mask = entry.partition("/")
+        m = _number(mark, "bulk.fwmarks")
+        k = _number(mask, "bulk.fwmarks") if mask else None
+        if not 0 < m < 2**32 or (k is not None and not 0 < k < 2**32):
+            raise InputError(f"bulk.fwmarks: {entry!r} out of range")
+        marks.append((m, k))
+    tos = [_number(t, "bulk.tos") for t in cfg.bulk.tos]
+    if any(not 0 < t < 256 for t in tos):
+        raise InputError("bulk.tos: values must be 1..255")
+    return dports, marks, tos

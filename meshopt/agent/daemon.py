@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pyroute2.netlink.exceptions import NetlinkError
 
-from meshopt.agent.config import AgentConfig
+from meshopt.agent.config import AgentConfig, bulk_classifier
 from meshopt.agent.netstate import NetState, set_sysctl
 from meshopt.agent.peers import PeerTracker
 from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
@@ -46,6 +46,7 @@ from meshopt.bus.messages import (
 from meshopt.bus.signing import load_public_key, verify_route_set
 from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
+from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import Responder
@@ -85,6 +86,17 @@ class Agent:
         self.wg = wireguard_backend(cfg)
         self.net = NetState()
         self.installer = RouteInstaller()
+        self.rules = fast_rules(table=cfg.routes.fast_table, priority=cfg.routes.rule_priority)
+        if cfg.bulk.enabled:
+            dports, marks, tos = bulk_classifier(cfg)
+            self.rules += bulk_rules(
+                dports=dports,
+                fwmarks=marks,
+                tos=tos,
+                table=cfg.routes.bulk_table,
+                first_priority=cfg.routes.rule_priority - 100,
+                last_priority=cfg.routes.rule_priority - 1,
+            )
         self.trusted = [load_public_key(k) for k in cfg.controller_keys]
         self.state_path = Path(cfg.state_dir) / f"agent-{cfg.mesh}-{cfg.node}.json"
         self.state: AgentState = load_state(self.state_path)
@@ -316,7 +328,7 @@ class Agent:
         for ifname, update in allowed_ips_updates(self.tracker.peers, plan.allowed_ips).items():
             await self.wg.apply(ifname, update)
         if self.route_set is not None:
-            result = await self.installer.reconcile(plan.routes)
+            result = await self.installer.reconcile(plan.routes, self.rules)
             for err in result.errors:
                 self.counters.count("route_refused", str(err))
             self.installed_routes = len(plan.routes)

@@ -75,6 +75,20 @@ def read_lease(lab: Lab) -> tuple[str, float] | None:
     return lease.controller, lease.expires_at
 
 
+def controller_role(lab: Lab, cid: str) -> str | None:
+    import subprocess
+
+    from meshopt.bus.messages import decode_controller_status
+
+    topic = f"meshopt/{lab.plan.name}/controller/status/{cid}"
+    argv = ["mosquitto_sub", "--unix", str(lab.broker_socket), "-t", topic, "-C", "1", "-W", "3"]
+    out = subprocess.run(argv, capture_output=True, timeout=10).stdout.strip()
+    if not out:
+        return None
+    st = decode_controller_status(out)
+    return st.role if st.online else "offline"
+
+
 def one_run(
     topology: str,
     index: int,
@@ -135,8 +149,9 @@ def one_run(
             other = "ctl2" if holder == "ctl1" else "ctl1"
 
             def taken() -> bool:
-                now = read_lease(lab)
-                return now is not None and now[0] == other
+                # Active, not merely claiming: its retained status says so once the
+                # claim has settled.
+                return controller_role(lab, other) == "active"
 
             res.controller_failover_s = wait_until(taken, 15, interval=0.1)
             if res.controller_failover_s is not None:

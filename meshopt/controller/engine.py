@@ -18,6 +18,8 @@ the simulator predicts is what the controller does.
 
 from __future__ import annotations
 
+import itertools
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +27,7 @@ import numpy as np
 
 from meshopt.bus.messages import Route, RouteSet
 from meshopt.controller.view import Matrices, MeshView
+from meshopt.install.tuning import TcpTuning, tcp_tuning
 from meshopt.policy import Decision, Installed, PolicyConfig, decide, reindex
 from meshopt.routing.backup import add_backups
 from meshopt.routing.incremental import IncrementalRoutes
@@ -151,7 +154,11 @@ class RouteEngine:
         dec.installed.since = np.where(dec.failed, -np.inf, dec.installed.since)
         self.installed = dec.installed
         out = Computed(names=names, matrices=m, best=best, decision=dec)
-        if self.bulk and not self.symmetric:
+        if self.bulk and self.symmetric:
+            # One AllowedIPs set per destination: bulk traffic takes the fast next hop,
+            # in its own table only for the per-route TCP settings.
+            out.bulk_next_hop = dec.installed.next_hop
+        elif self.bulk:
             bw = np.where(m.bandwidth > 0, m.bandwidth, np.nan)
             out.bulk_next_hop = widest_routes(
                 bw, m.cost, names, relay_hop_ms=self.relay_hop_ms
@@ -197,7 +204,55 @@ def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
             if c.bulk_next_hop is not None:
                 bh = int(c.bulk_next_hop[s, d])
                 if bh != NO_ROUTE and bh in key_for:
+                    walk = _walk(c.bulk_next_hop, s, d)
                     for addr in view.nodes[d_name].addresses:
-                        routes.append(Route(dst=addr, via=key_for[bh], table="bulk"))
+                        t = bulk_tuning(c.matrices, walk, addr)
+                        routes.append(
+                            Route(
+                                dst=addr,
+                                via=key_for[bh],
+                                table="bulk",
+                                mtu=t["mtu"] if t else None,
+                                advmss=t["advmss"] if t else None,
+                                window=t["window"] if t else None,
+                                initcwnd=t["initcwnd"] if t else None,
+                                initrwnd=t["initrwnd"] if t else None,
+                            )
+                        )
         out[s_name] = routes
     return out
+
+
+def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:
+    path = [s]
+    while path[-1] != d and len(path) <= next_hop.shape[0]:
+        nxt = int(next_hop[path[-1], d])
+        if nxt == NO_ROUTE or nxt in path:
+            break
+        path.append(nxt)
+    return path
+
+
+def bulk_tuning(m: Matrices, path: list[int], dst: str) -> TcpTuning | None:
+    """Route attributes for the bulk route along ``path`` (measured RTT, bottleneck rate).
+
+    Each hop is its own WireGuard tunnel (the relay re-encrypts), so the MTU is the
+    narrowest hop's, minus the overhead, not the sum of overheads.
+    """
+    hops = list(itertools.pairwise(path))
+    if not hops:
+        return None
+    rtts = [m.rtt[a, b] for a, b in hops]
+    rtt = float(sum(rtts)) if all(np.isfinite(rtts)) else None
+    bws = [m.bandwidth[a, b] for a, b in hops]
+    bw = float(min(bws)) if all(x > 0 for x in bws) else None
+    pmtus = [int(m.pmtu[a, b]) for a, b in hops]
+    family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    return tcp_tuning(
+        # A measured PMTU through a tunnel is its underlay MTU minus the overhead.
+        [p + 80 for p in pmtus] if all(pmtus) else None,
+        family,
+        bw,
+        rtt,
+        relay_hops=len(hops) - 1,
+    )

@@ -48,6 +48,8 @@ class Matrices:
     noise: FloatArray  # standard deviation of each link's cost estimate (ms)
     bandwidth: FloatArray  # Mbit/s per link, 0 where unknown or down
     up: np.ndarray  # bool per node
+    rtt: FloatArray  # measured (smoothed) RTT per link in ms, nan where unknown
+    pmtu: FloatArray  # path MTU through each tunnel, 0 where not measured
 
 
 class MeshView:
@@ -152,6 +154,8 @@ class MeshView:
         cost = np.full((n, n), np.inf)
         noise = np.zeros((n, n))
         bw = np.zeros((n, n))
+        rtt = np.full((n, n), np.nan)
+        pmtu = np.zeros((n, n))
         up = np.array([self.nodes[x].online for x in names], dtype=bool)
         owner = self.node_of_key()
         for s_name, info in self.nodes.items():
@@ -171,8 +175,12 @@ class MeshView:
                 noise[s, d] = sd
                 if rep.bandwidth_mbit is not None and math.isfinite(c):
                     bw[s, d] = rep.bandwidth_mbit
+                if rep.rtt_ms is not None and math.isfinite(c):
+                    rtt[s, d] = rep.rtt_ms
+                if rep.pmtu is not None:
+                    pmtu[s, d] = rep.pmtu
         np.fill_diagonal(cost, 0.0)
-        return Matrices(names, cost, noise, bw, up)
+        return Matrices(names, cost, noise, bw, up, rtt, pmtu)
 
 
 def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, float]:
