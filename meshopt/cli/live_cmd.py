@@ -219,11 +219,12 @@ def graph_cmd(
     topo, labels = view.picture_inputs()
     relays = view.relay_paths()
     down = sorted(n for n, s in view.status.items() if not s.online and n in view.telemetry)
-    version = max((rs.version for rs in view.route_sets.values()), default=0)
+    newest = max(rs.issued_at for rs in view.route_sets.values())
     controllers = sorted({rs.controller for rs in view.route_sets.values()})
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(newest))
     title = (
         f"mesh {view.mesh}: measured RTT, relay routes in colour "
-        f"(route sets from {', '.join(controllers)}, newest version {version})"
+        f"(route sets from {', '.join(controllers)}, newest {stamp})"
     )
     draw_mesh(topo, out, edge_label_ms=labels, relay_paths=relays, down_nodes=down, title=title)
     if as_json:
