@@ -156,6 +156,16 @@ def rss_mb(status_text: str) -> float | None:
     return int(m[1]) / 1024 if m else None
 
 
+def status_fields(status_text: str, names: Sequence[str]) -> dict[str, int]:
+    """Whole-number fields of ``/proc/<pid>/status`` (``kB`` values stay in kB)."""
+    out = {}
+    for name in names:
+        m = re.search(rf"^{re.escape(name)}:\s+(\d+)", status_text, re.M)
+        if m:
+            out[name] = int(m[1])
+    return out
+
+
 def cpu_busy_fraction(before: str, after: str) -> float:
     """Share of all cores busy between two readings of /proc/stat's ``cpu`` line."""
 
@@ -726,6 +736,9 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
         load = _read("/proc/loadavg").split()[:3]
         rss = {n: rss_mb(_read(f"/proc/{pid}/status")) for n, pid in pids.items()}
         since = time.monotonic() - started
+        n1_status = status_fields(
+            _read(f"/proc/{pids['n1']}/status"), ("RssAnon", "RssFile", "VmPeak", "Threads")
+        )
         share = {n: 100.0 * (ticks1[n] - ticks0[n]) / hz / elapsed for n in nodes}
         lifetime = {n: 100.0 * ticks1[n] / hz / since for n in nodes}
         alive = alive_peers(lab, "n1")
@@ -746,6 +759,7 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
             n1_peers_alive=alive,
             all_peers_seen_before_window=seen,
             pid_cmdline=cmdline.strip()[:160],
+            n1_status_kb=n1_status,
             machine={
                 "cores": os.cpu_count(),
                 "busy_percent_of_all_cores": round(100 * cpu_busy_fraction(stat0, stat1), 1),
