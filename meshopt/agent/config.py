@@ -174,6 +174,12 @@ def check_config(cfg: AgentConfig) -> None:
     if r.fast_table == r.bulk_table:
         raise InputError("routes.fast_table and routes.bulk_table must differ")
     bulk_classifier(cfg)  # raises InputError naming the bad entry
+    from meshopt.bus.client import parse_broker
+
+    try:
+        parse_broker(cfg.broker)
+    except InputError as exc:
+        raise InputError(f"broker: {exc}") from None
     if cfg.telemetry.full_interval_s < cfg.telemetry.check_interval_s:
         raise InputError("telemetry.full_interval_s must be >= telemetry.check_interval_s")
 

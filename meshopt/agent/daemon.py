@@ -48,9 +48,11 @@ from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
+from meshopt.probe.pmtu import discover_pmtu
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
+from meshopt.transfer.receiver import TransferServer
 from meshopt.wireguard import AsyncKernelBackend, AsyncUserspaceBackend, AsyncWireGuardBackend
 from meshopt.wireguard.kernel import kernel_wireguard_available
 from meshopt.wireguard.model import InterfaceState
@@ -114,6 +116,8 @@ class Agent:
         self.trains = TrainResponder()
         self.capacity: dict[str, Capacity] = {}
         self.bandwidth_bytes = 0
+        self.pmtu: dict[str, int] = {}
+        self.transfer: TransferServer | None = None
         self.addresses: list[str] = []
         self.interfaces: list[str] = []
         self.seq = 0
@@ -166,6 +170,8 @@ class Agent:
             await self.trains.start(port=self.cfg.bandwidth.port)
         await self.prober.start()
         await self._poll_peers()
+        if self.cfg.transfer.enabled:
+            await self._start_transfer()
         if not self.trusted:
             log.warning("no controller_keys configured: measuring only, no route is installed")
         log.info(
@@ -175,6 +181,19 @@ class Agent:
             ",".join(self.interfaces),
             len(self.tracker.peers),
         )
+
+    async def _start_transfer(self) -> None:
+        """The receiving end of ``meshopt transfer send``: mesh peers only."""
+        root = Path(self.cfg.transfer.directory)
+        root.mkdir(parents=True, exist_ok=True)
+        allow = list(self.cfg.mesh_prefixes) or self._implied_mesh_prefixes()
+        self.transfer = TransferServer(
+            root,
+            port=self.cfg.transfer.port,
+            allow=allow,
+            cache_dir=Path(self.cfg.state_dir) / "transfer-cache",
+        )
+        await self.transfer.start()
 
     async def _teardown(self) -> None:
         with contextlib.suppress(Exception):
@@ -190,6 +209,8 @@ class Agent:
         await self.prober.close()
         self.responder.close()
         self.trains.close()
+        if self.transfer is not None:
+            await self.transfer.close()
         await self.installer.close()
         await self.net.close()
 
@@ -395,7 +416,14 @@ class Agent:
     def reports(self) -> dict[str, PeerReport]:
         now = self.clock()
         return {
-            k: peer_report(p, self.prober.stats(k), self.prober.alive(k), self.capacity.get(k), now)
+            k: peer_report(
+                p,
+                self.prober.stats(k),
+                self.prober.alive(k),
+                self.capacity.get(k),
+                now,
+                self.pmtu.get(k),
+            )
             for k, p in self.tracker.peers.items()
         }
 
@@ -452,5 +480,10 @@ class Agent:
                     self.counters.count("bandwidth_failed", f"{key[:8]}: {exc}")
                     continue
                 self.capacity[key] = Capacity(est.capacity_mbit, est.confidence, self.clock())
+                try:
+                    # Through this tunnel, DF set: what a bulk route's MTU may be.
+                    self.pmtu[key] = await discover_pmtu(f"{peer.probe_address}%{peer.ifname}")
+                except (MeshoptError, OSError) as exc:
+                    self.counters.count("pmtu_failed", f"{key[:8]}: {exc}")
                 self.bandwidth_bytes += est.bytes_spent
             await asyncio.sleep(cfg.interval_s)

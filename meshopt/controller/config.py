@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshopt.bus.client import parse_broker
 from meshopt.configfile import build, read_toml
 from meshopt.errors import InputError
 from meshopt.metric import Metric
@@ -78,6 +79,7 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
         for key, value in (("mesh", cfg.mesh), ("id", cfg.id), *(("nodes", n) for n in cfg.nodes)):
             if not NAME.fullmatch(value):
                 raise InputError(f"{key} {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+        parse_broker(cfg.broker)
         if cfg.lease_s < 1.0:
             raise InputError("lease_s must be >= 1 s")
         if cfg.settle_s >= cfg.lease_s:

@@ -173,6 +173,7 @@ def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
     nh = c.decision.installed.next_hop
     backup = c.best.backup
     owner = view.node_of_key()
+    index = {n: i for i, n in enumerate(names)}
     out: dict[str, list[Route]] = {}
     for s, s_name in enumerate(names):
         info = view.nodes[s_name]
@@ -182,7 +183,7 @@ def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
         for key in info.peers:
             o = owner.get(key)
             if o is not None:
-                key_for[names.index(o)] = key
+                key_for[index[o]] = key
         routes: list[Route] = []
         for d, d_name in enumerate(names):
             if d == s or not view.nodes[d_name].online:
@@ -198,6 +199,10 @@ def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
                 b = d if np.isfinite(c.matrices.cost[s, d]) else NO_ROUTE
             else:
                 b = int(backup[s, d]) if backup is not None else NO_ROUTE
+                if b == hop:
+                    # The policy kept another next hop than the best one, and the best's
+                    # alternate is that kept hop: the best next hop is the alternate then.
+                    b = int(c.best.next_hop[s, d])
             b_key = key_for.get(b) if b not in (NO_ROUTE, hop) else None
             for addr in view.nodes[d_name].addresses:
                 routes.append(Route(dst=addr, via=key_for[hop], backup=b_key))

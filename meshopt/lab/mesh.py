@@ -34,6 +34,15 @@ FAST_TABLE = 7701
 QUIET_AGENT: dict[str, dict[str, Any]] = {"bandwidth": {"enabled": False}}
 
 
+def ip_json(text: str) -> list[dict[str, Any]]:
+    """``ip -j`` output; an empty table prints "[" alone (and an error on stderr)."""
+    try:
+        out = json.loads(text or "[]")
+    except json.JSONDecodeError:
+        return []
+    return out if isinstance(out, list) else []
+
+
 @dataclass
 class LiveMesh:
     lab: Lab
@@ -106,7 +115,7 @@ class LiveMesh:
     def installed(self, node: str) -> dict[str, str]:
         """Our routes in ``node``'s fast table: destination -> outgoing interface."""
         out = self.lab.run(node, ["ip", "-j", "route", "show", "table", str(FAST_TABLE)])
-        routes = json.loads(out.stdout or "[]")
+        routes = ip_json(out.stdout)
         return {r["dst"]: r["dev"] for r in routes if r.get("protocol") in ("77", 77)}
 
     def allowed_ips(self, node: str) -> dict[str, list[str]]:
@@ -135,7 +144,7 @@ class LiveMesh:
         dev_peer = {w.ifname: w.peers[0] for w in self.lab.state.wg if w.node == src}
         for table in ("main", str(FAST_TABLE)):
             text = self.lab.run(src, ["ip", "-j", "route", "show", "table", table]).stdout
-            for r in json.loads(text or "[]"):
+            for r in ip_json(text):
                 dst = r.get("dst", "").split("/")[0]
                 for node, addr in host.items():
                     if dst == addr and r.get("dev") in dev_peer:

@@ -133,11 +133,6 @@ def test_bad_config_is_one_error_naming_the_key(data: dict[str, Any], names_key:
     assert re.search(rf"(^|[\s'(.]){re.escape(names_key)}(?!\w)", msg.split(": ", 1)[1]), msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parse_controller_config does not check broker (meshopt.bus.client.parse_broker "
-    "would): --check passes a config whose broker the daemon cannot use",
-)
 def test_bad_broker_address_is_refused_when_loading() -> None:
     with pytest.raises(InputError, match="broker"):
         parse_controller_config(ctl(broker="ftp://broker.example:21"))

@@ -339,12 +339,6 @@ def test_a_node_joining_later_starts_on_its_direct_tunnels() -> None:
     assert c.decision.improved[d, b] and not c.decision.failed[d, b]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="route_sets takes the backup from best.backup (an LFA for the *best* next hop); "
-    "when the policy keeps another next hop and that LFA is the kept hop itself, the route "
-    "gets no backup at all, though the best next hop (here the direct tunnel) would do",
-)
 def test_a_route_kept_off_the_best_path_keeps_a_backup() -> None:
     mesh = Mesh("abc")
     engine = RouteEngine(PolicyConfig())
