@@ -202,4 +202,8 @@ def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, flo
     n = max(rep.samples, 1) / max(1.0 - p, 1e-3)
     loss_sd = math.sqrt(p * (1.0 - p) / n)
     slope = metric.loss_penalty_ms / max(1.0 - p, 1e-3) ** 2
-    return metric.link_cost(sample), math.hypot(sample.noise_ms, slope * loss_sd)
+    # The jitter term is an estimate too, and a skittish one: a few delayed probes (a
+    # busy host, a burst of cross traffic) move RFC 3550 jitter by tens of percent within
+    # seconds. Counting half of it as noise keeps such swings from looking like gains.
+    jitter_sd = 0.5 * metric.jitter_weight * sample.jitter_ms
+    return metric.link_cost(sample), math.hypot(sample.noise_ms, slope * loss_sd, jitter_sd)
