@@ -142,8 +142,12 @@ def _now() -> float:
     return _clock
 
 
+HASH_SCHEME = 2  # records of another scheme (older file hashes) fail to decode: a miss
+
+
 class _Record(msgspec.Struct, frozen=True):
     key: tuple[int, int, int, int, int]
+    scheme: int
     size: int
     file_hash: bytes
     digests: bytes
@@ -170,7 +174,7 @@ class ManifestCache:
             rec = msgspec.msgpack.decode(self._path(file).read_bytes(), type=_Record)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
             return None
-        if rec.key != stat_key(st):
+        if rec.key != stat_key(st) or rec.scheme != HASH_SCHEME:
             return None
         return Manifest(rec.size, rec.file_hash, rec.digests, tuple(rec.lengths))
 
@@ -180,6 +184,7 @@ class ManifestCache:
             st = st or file.stat()
             rec = _Record(
                 stat_key(st),
+                HASH_SCHEME,
                 manifest.size,
                 manifest.file_hash,
                 manifest.digests,

@@ -27,6 +27,16 @@ def chunk_digest(data: bytes | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 
+def whole_hash(digests: bytes) -> bytes:
+    """The file's hash: sha256 over its chunk digests (a hash list, like a one-level Merkle tree).
+
+    The chunk digests already cover every byte, so the whole-file hash costs no second
+    pass over the data on either end: the receiver checks it against the offer's chunk
+    list before any data flows, then every chunk against its digest as it arrives.
+    """
+    return hashlib.sha256(digests).digest()
+
+
 @dataclass(frozen=True)
 class Manifest:
     """A file as chunks: ``digests`` is the concatenation of every chunk's sha256."""
@@ -52,16 +62,19 @@ class Manifest:
 
 
 def chunk_buffer(data: bytes | memoryview) -> Manifest:
-    """Chunk and hash bytes in memory (one pass: chunk hashes and the whole-file hash)."""
-    whole = hashlib.sha256()
+    """Chunk and hash bytes in memory."""
     digests: list[bytes] = []
     lengths: list[int] = []
     if len(data):
         for c in _cdc.cut_buf(data):
-            whole.update(c.data)
             digests.append(chunk_digest(c.data))
             lengths.append(c.length)
-    return Manifest(len(data), whole.digest(), b"".join(digests), tuple(lengths))
+    return _manifest(len(data), digests, lengths)
+
+
+def _manifest(size: int, digests: list[bytes], lengths: list[int]) -> Manifest:
+    joined = b"".join(digests)
+    return Manifest(size, whole_hash(joined), joined, tuple(lengths))
 
 
 def chunk_file(path: str | os.PathLike[str]) -> Manifest:
@@ -69,23 +82,11 @@ def chunk_file(path: str | os.PathLike[str]) -> Manifest:
     p = Path(path)
     if p.stat().st_size == 0:
         return chunk_buffer(b"")
-    whole = hashlib.sha256()
     digests: list[bytes] = []
     lengths: list[int] = []
     size = 0
     for c in _cdc.cut_file(str(p)):
-        whole.update(c.data)
         digests.append(chunk_digest(c.data))
         lengths.append(c.length)
         size += c.length
-    return Manifest(size, whole.digest(), b"".join(digests), tuple(lengths))
-
-
-def file_sha256(path: str | os.PathLike[str], *, block: int = 1 << 20) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(block)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.digest()
+    return _manifest(size, digests, lengths)

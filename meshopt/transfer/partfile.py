@@ -1,8 +1,11 @@
 """A file being received: a hidden partial file plus a state file of the chunks it holds.
 
-The final name only ever appears through one rename, after the whole-file hash of the
-partial file matched and it was fsynced; an interrupted transfer leaves the partial and
-its state so the next offer of the same file asks only for what is still missing.
+The final name only ever appears through one rename, after every chunk was written and
+the partial file was fsynced. Each chunk is checked against its digest just before it is
+written, and the digests are bound to the offer's file hash, so the whole file is never
+read back; chunks an earlier run claims to have written are read back and checked when
+the partial file is resumed (its state file may have outlived the data). An interrupted
+transfer leaves the partial and its state so the next offer asks only for what is missing.
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ from pathlib import Path
 import msgspec
 
 from meshopt.transfer.cache import ChunkStore
-from meshopt.transfer.chunking import Manifest, chunk_digest, file_sha256
+from meshopt.transfer.chunking import Manifest, chunk_digest
 from meshopt.transfer.errors import TransferError
 from meshopt.transfer.safepath import PART_SUFFIX, STATE_SUFFIX
 
 STATE_EVERY_S = 1.0  # how often the state file catches up with the chunks written
+# Write back in the background every this many bytes, so the fsync before the rename
+# finds little left to write instead of the whole file.
+FLUSH_BYTES = 32 << 20
 
 
 class _State(msgspec.Struct):
@@ -56,6 +62,8 @@ class PartFile:
         self.resumed = sum(done)
         self._saved_at = time.monotonic()
         self._state_lock = threading.Lock()  # the cache fill runs in a thread
+        self._unflushed = 0
+        self._flusher: threading.Thread | None = None
 
     @classmethod
     def open(cls, target: Path, manifest: Manifest) -> PartFile:
@@ -73,7 +81,9 @@ class PartFile:
             try:
                 fd = os.open(part, flags)
                 if os.fstat(fd).st_size == manifest.size:
-                    return cls(target, manifest, fd, bytearray(st.done))
+                    job = cls(target, manifest, fd, bytearray(st.done))
+                    job.recheck()
+                    return job
                 os.close(fd)
             except FileNotFoundError:
                 pass
@@ -94,11 +104,40 @@ class PartFile:
     def missing(self) -> list[int]:
         return [i for i, d in enumerate(self.done) if not d]
 
+    def recheck(self) -> None:
+        """Read back the chunks an earlier run wrote; the damaged ones count as missing."""
+        m = self.manifest
+        for i, d in enumerate(self.done):
+            if d and chunk_digest(os.pread(self.fd, m.lengths[i], self.offsets[i])) != m.digest(i):
+                self.done[i] = 0
+        self.resumed = sum(self.done)
+
     def write(self, i: int, data: bytes | memoryview) -> None:
         os.pwrite(self.fd, data, self.offsets[i])
         self.done[i] = 1
+        self._unflushed += len(data)
+        if self._unflushed >= FLUSH_BYTES:
+            self._flush_behind()
         if time.monotonic() - self._saved_at >= STATE_EVERY_S:
             self.save_state()
+
+    def _flush_behind(self) -> None:
+        """Start an fdatasync in a thread unless one is running (writes go on meanwhile)."""
+        with self._state_lock:
+            if self._flusher is not None and self._flusher.is_alive():
+                return
+            self._unflushed = 0
+            self._flusher = threading.Thread(target=self._datasync, daemon=True)
+            self._flusher.start()
+
+    def _datasync(self) -> None:
+        with contextlib.suppress(OSError):  # the fsync in finish() reports real errors
+            os.fdatasync(self.fd)
+
+    def _join_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher.join()
+            self._flusher = None
 
     def fill(
         self,
@@ -148,14 +187,13 @@ class PartFile:
         self._saved_at = time.monotonic()
 
     def finish(self) -> None:
-        """Check the whole-file hash, fsync, rename into place; a mismatch discards all."""
-        got = file_sha256(self.part)
-        if got != self.manifest.file_hash:
-            self.discard()
+        """Fsync and rename into place once every (checked) chunk is written."""
+        if not all(self.done):
             raise TransferError(
-                f"whole-file hash mismatch for {self.target.name}: file discarded",
-                code="hash-mismatch",
+                f"{self.target.name}: {self.done.count(0)} chunks were never written",
+                code="incomplete",
             )
+        self._join_flusher()
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
@@ -171,12 +209,14 @@ class PartFile:
     def close(self) -> None:
         """Stop here, keeping the partial file and its state for a resume."""
         if self.fd >= 0:
+            self._join_flusher()
             self.save_state()
             os.close(self.fd)
             self.fd = -1
 
     def discard(self) -> None:
         if self.fd >= 0:
+            self._join_flusher()
             os.close(self.fd)
             self.fd = -1
         for p in (self.part, self.state):

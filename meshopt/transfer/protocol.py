@@ -15,7 +15,7 @@ import msgspec
 
 from meshopt.transfer.errors import TransferError
 
-VERSION: Final = 1
+VERSION: Final = 2  # 2: the file hash is sha256 over the chunk digests
 TRANSFER_PORT: Final = 51897
 MAX_FRAME: Final = 64 * 1024 * 1024  # an offer for ~100 GB of 64 KiB chunks fits
 _LEN = struct.Struct("!I")
@@ -29,7 +29,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     name: str
     dir: str
     size: int
-    file_hash: bytes  # sha256 of the whole file
+    file_hash: bytes  # chunking.whole_hash(digests)
     digests: bytes  # sha256 of every chunk, concatenated
     lengths: list[int]
     version: int = VERSION

@@ -21,7 +21,13 @@ from pathlib import Path
 import zstandard as zstd
 
 from meshopt.transfer.cache import ChunkStore, ManifestCache
-from meshopt.transfer.chunking import CHUNK_MAX, DIGEST_SIZE, Manifest, chunk_digest
+from meshopt.transfer.chunking import (
+    CHUNK_MAX,
+    DIGEST_SIZE,
+    Manifest,
+    chunk_digest,
+    whole_hash,
+)
 from meshopt.transfer.errors import TransferError
 from meshopt.transfer.partfile import PartFile, no_space
 from meshopt.transfer.protocol import (
@@ -86,6 +92,9 @@ def validate_offer(offer: Offer) -> Manifest:
         raise TransferError("offer's chunk lengths do not add up to its size", code="bad-offer")
     if len(offer.file_hash) != DIGEST_SIZE:
         raise TransferError("offer's file hash is not a sha256", code="bad-offer")
+    if whole_hash(offer.digests) != offer.file_hash:
+        # Every chunk is checked against its digest on arrival, so this binds the file.
+        raise TransferError("offer's file hash does not match its chunk list", code="bad-offer")
     return Manifest(offer.size, offer.file_hash, offer.digests, tuple(offer.lengths))
 
 
@@ -234,11 +243,7 @@ class TransferServer:
                     with contextlib.suppress(Exception):
                         await fill
             c.chunks_reused += len(local)
-            try:
-                await asyncio.to_thread(job.finish)
-            except TransferError:
-                keep = False
-                raise
+            await asyncio.to_thread(job.finish)
             self.records.put(target, manifest)
             writer.write(encode(Ack(rel, manifest.file_hash)))
             await writer.drain()
@@ -306,6 +311,39 @@ class TransferServer:
         self.counters.bytes_received += n
         if not isinstance(msg, Done):
             raise TransferError(f"expected done, got {type(msg).__name__}", code="protocol")
+
+
+async def serve_in_agent(
+    root: Path,
+    allow: Sequence[str],
+    *,
+    port: int = TRANSFER_PORT,
+    host: str = "::",
+    cache_dir: Path | None = None,
+    cache_max_bytes: int = DEFAULT_CACHE_MAX,
+    max_file_bytes: int | None = None,
+) -> TransferServer:
+    """Start a receiver inside an already running event loop (the agent's); it is listening
+    when this returns. The caller owns it: ``await server.close()`` on stop.
+
+    ``allow`` is the mesh's prefixes (peers outside them are refused). The chunk cache is
+    scanned in a worker thread, so a large cache does not stall the agent's loop.
+    ``server.counters`` says what happened; ``server.port`` is the bound port (port 0
+    picks a free one). Raises TransferError (code "config") for a missing directory or a
+    bad prefix, OSError when the port is taken.
+    """
+    server = await asyncio.to_thread(
+        TransferServer,
+        root,
+        host=host,
+        port=port,
+        allow=allow,
+        cache_dir=cache_dir,
+        cache_max_bytes=cache_max_bytes,
+        max_file_bytes=max_file_bytes,
+    )
+    await server.start()
+    return server
 
 
 def _describe(exc: BaseException) -> tuple[str, str]:

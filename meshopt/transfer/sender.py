@@ -2,7 +2,9 @@
 
 Compression and file reads run in a worker thread one batch ahead of the socket, so
 the slower of the two sets the pace; the level is re-chosen per batch from the
-measured link rate and what the compressor achieved on the previous batch.
+measured link rate and what the compressor achieved on the previous batch. The
+connection and the compression calibration (on the file's head) run while the file is
+hashed, so the only time before the first chunk is the hashing and the offer's round trip.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ from meshopt.transfer.protocol import (
     encode,
     read_sized,
 )
-from meshopt.transfer.tcpinfo import acked_and_unsent
+from meshopt.transfer.tcpinfo import LinkMeter
 
 BATCH_BYTES = 4 << 20  # raw bytes per compression decision
-SAMPLE_BYTES = 512 << 10  # calibration sample
-UNKNOWN_LINK_FLOOR = 16e6  # calibrate up to levels this fast while the link is unknown
+SAMPLE_BYTES = 1 << 20  # calibration sample
+UNKNOWN_LINK_FLOOR = 24e6  # calibrate up to levels this fast while the link is unknown
 REPLY_TIMEOUT_S = 120.0  # the receiver hashes the whole file before it acks
 
 Progress = Callable[[int, int], None]
@@ -251,11 +253,28 @@ async def send_file(
     if not p.is_file():
         raise TransferError(f"{p} is not a regular file", code="input")
     cache = ManifestCache((cache_dir or default_cache_dir()) / "manifests")
-    manifest, _ = await manifest_for(p, cache)
-    if manifest.size != st.st_size:
-        cache.forget(p)
-        raise TransferError(f"{p} changed while it was being hashed", code="changed")
-    hashed = time.perf_counter()
+    link_bps = None if link_mbit is None else link_mbit * 1e6 / 8
+    connecting = asyncio.ensure_future(_connect(host, port, connect_timeout))
+    cached = await asyncio.to_thread(cache.get, p)
+    # A file hashed before was probably sent before: calibrate only for a new one.
+    calibrating: asyncio.Future[list[LevelStats]] = (
+        asyncio.ensure_future(asyncio.to_thread(_calibrate_head, p, link_bps))
+        if cached is None
+        else _resolved([])
+    )
+    hashing = asyncio.ensure_future(
+        _resolved((cached, True)) if cached is not None else manifest_for(p, cache)
+    )
+    try:
+        manifest, _ = await hashing
+        if manifest.size != st.st_size:
+            cache.forget(p)
+            raise TransferError(f"{p} changed while it was being hashed", code="changed")
+        hashed = time.perf_counter()
+        reader, writer = await connecting
+    except BaseException:
+        await _abandon(hashing, connecting, calibrating)
+        raise
     s = TransferSummary(
         path=str(p),
         remote_path="",
@@ -270,12 +289,6 @@ async def send_file(
         chunk_bytes_sent=0,
         already_present=False,
     )
-    try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port), connect_timeout
-        )
-    except (OSError, TimeoutError) as exc:
-        raise TransferError(f"cannot connect to {host} port {port}: {exc}", code="connect") from exc
     sess = _Session(reader, writer, s, progress)
     fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -306,7 +319,8 @@ async def send_file(
                 raise TransferError("receiver asked for chunks that do not exist", code="protocol")
             s.chunks_reused = manifest.count - len(missing)
             sess.tick(sum(n for i, n in enumerate(manifest.lengths) if i not in missing))
-            ack = await _stream(sess, _Packer(fd, manifest), sorted(missing), link_mbit)
+            head = calibrating if len(missing) == manifest.count else None
+            ack = await _stream(sess, _Packer(fd, manifest), sorted(missing), link_bps, head)
         if not isinstance(ack, Ack) or ack.file_hash != manifest.file_hash:
             raise TransferError(
                 "receiver's acknowledgement does not match the file", code="protocol"
@@ -317,6 +331,7 @@ async def send_file(
     except TimeoutError as exc:
         raise TransferError(f"no answer from {host} in time", code="timeout") from exc
     finally:
+        await _abandon(calibrating)
         os.close(fd)
         writer.close()
         with contextlib.suppress(Exception):
@@ -325,14 +340,58 @@ async def send_file(
     return s
 
 
+async def _connect(
+    host: str, port: int, timeout: float
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    try:
+        return await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError) as exc:
+        raise TransferError(f"cannot connect to {host} port {port}: {exc}", code="connect") from exc
+
+
+async def _abandon(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel and reap helper tasks; a connection one of them made is closed."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            result = await t
+            if isinstance(result, tuple) and len(result) == 2:
+                writer = result[1]
+                if isinstance(writer, asyncio.StreamWriter):
+                    writer.close()
+
+
+def _resolved(value: Any) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
+
+
+def _calibrate_head(path: Path, link_bps: float | None) -> list[LevelStats]:
+    """Calibrate on the file's first SAMPLE_BYTES (a whole-file send's first chunks)."""
+    with open(path, "rb") as f:
+        head = f.read(SAMPLE_BYTES)
+    sample = [head[i : i + 64 * 1024] for i in range(0, len(head), 64 * 1024)]
+    return calibrate(sample, link_bps or UNKNOWN_LINK_FLOOR) if sample else []
+
+
 async def _stream(
-    sess: _Session, packer: _Packer, missing: list[int], link_mbit: float | None
+    sess: _Session,
+    packer: _Packer,
+    missing: list[int],
+    link_bps: float | None,
+    head: asyncio.Future[list[LevelStats]] | None,
 ) -> Message:
-    """Send the missing chunks, then Done; repeat for later Need rounds; the final reply."""
+    """Send the missing chunks, then Done; repeat for later Need rounds; the final reply.
+
+    ``head``: a calibration on the file's head, used when every chunk is missing.
+    """
     s = sess.s
-    link_bps = None if link_mbit is None else link_mbit * 1e6 / 8
-    sample = await asyncio.to_thread(packer.sample, missing)
-    stats = await asyncio.to_thread(calibrate, sample, link_bps or UNKNOWN_LINK_FLOOR)
+    stats = await head if head is not None else []
+    if not stats:
+        sample = await asyncio.to_thread(packer.sample, missing)
+        stats = await asyncio.to_thread(calibrate, sample, link_bps or UNKNOWN_LINK_FLOOR)
     policy = Adaptive(stats, link_bps)
     sock = sess.writer.get_extra_info("socket")
     while True:
@@ -371,8 +430,7 @@ async def _send_batches(
         nxt = asyncio.create_task(
             asyncio.to_thread(packer.pack, batches[0], decision.level, decision.level is None)
         )
-        prev = acked_and_unsent(sock)
-        prev_t = time.perf_counter()
+        meter = LinkMeter(sock)
         for k in range(len(batches)):
             packed = await nxt
             if packed.level is not None:
@@ -397,15 +455,13 @@ async def _send_batches(
             s.chunks_sent += len(packed.frames)
             s.chunk_bytes_sent += packed.raw
             sess.tick(packed.raw)
-            cur = acked_and_unsent(sock)
-            now = time.perf_counter()
-            if prev is not None and cur is not None and now > prev_t:
-                rate = (cur[0] - prev[0]) / (now - prev_t)
-                if cur[1] > 0 and prev[1] > 0:
+            measured = meter.sample()
+            if measured is not None:
+                rate, busy = measured
+                if busy:
                     policy.observe_link(rate)  # the socket stayed busy: this is the link
                 elif policy.link_bps is None or rate > policy.link_bps:
                     policy.observe_link(rate)  # the link is at least this fast
-            prev, prev_t = cur, now
     finally:
         if early.done():
             early.result()  # raises the receiver's error, if it sent one

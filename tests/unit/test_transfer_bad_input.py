@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshopt.transfer.errors import TransferError
-from meshopt.transfer.protocol import Ack, Chunk, Done, Error, Need, Offer, encode
+from meshopt.transfer.protocol import Ack, Chunk, Error, Need, Offer, encode
 from meshopt.transfer.sender import send_file
 
 from .test_transfer_common import (
@@ -159,20 +159,43 @@ def test_inconsistent_offer_is_refused(srv: ServerThread) -> None:
     c.close()
 
 
-def test_wrong_whole_file_hash_discards_the_file(srv: ServerThread, tmp_path: Path) -> None:
-    data = random_bytes(200_000)
-    offer, offsets = _offer(data, file_hash=b"\x01" * 32)
+def test_wrong_whole_file_hash_is_refused_before_any_data(
+    srv: ServerThread, tmp_path: Path
+) -> None:
+    offer, _ = _offer(random_bytes(200_000), file_hash=b"\x01" * 32)
+    c = RawClient(srv.port)
+    c.send(offer)
+    assert "does not match its chunk list" in _expect_error(c, "bad-offer").reason
+    c.close()
+    assert sorted(p.name for p in srv.root.iterdir() if "x.bin" in p.name) == []
+    _still_serves(srv, tmp_path)
+
+
+def test_damaged_partial_file_is_checked_on_resume(make_server: MakeServer) -> None:
+    """A state file that outlived its data (a crash before write-back) costs a resend."""
+    srv = make_server(cache_max_bytes=0)  # no chunk cache: the partial file alone resumes
+    data = random_bytes(600_000)
+    offer, offsets = _offer(data)
+    c = RawClient(srv.port)
+    c.send(offer)
+    need = c.recv()
+    assert isinstance(need, Need) and len(need.missing) >= 3
+    for i in need.missing[:3]:
+        c.send(Chunk(i, 0, data[offsets[i] : offsets[i] + offer.lengths[i]]))
+    c.close()  # interrupted: the partial file and its state stay for a resume
+    srv.wait_for(lambda: srv.counters.transfers_failed == 1)
+    part = srv.root / ".x.bin.meshopt-part"
+    with open(part, "r+b") as f:  # chunk 1 "lost" on disk
+        f.seek(offsets[1] + 10)
+        f.write(b"\xff" * 100)
     c = RawClient(srv.port)
     c.send(offer)
     need = c.recv()
     assert isinstance(need, Need)
-    for i in need.missing:  # every chunk is right; only the whole-file hash is not
-        c.send(Chunk(i, 0, data[offsets[i] : offsets[i] + offer.lengths[i]]))
-    c.send(Done())
-    assert "whole-file hash mismatch" in _expect_error(c, "hash-mismatch").reason
+    assert 0 not in need.missing and 2 not in need.missing and 1 in need.missing
+    assert srv.counters.resumed_chunks == 2
     c.close()
-    assert sorted(p.name for p in srv.root.iterdir() if "x.bin" in p.name) == []
-    _still_serves(srv, tmp_path)
+    srv.wait_for(lambda: srv.counters.transfers_failed == 2)
 
 
 def test_truncated_stream_leaves_only_the_partial_file(srv: ServerThread, tmp_path: Path) -> None:

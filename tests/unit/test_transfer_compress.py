@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from meshopt.transfer.compress import Adaptive, LevelStats, calibrate, choose_level
+from meshopt.transfer.compress import (
+    Adaptive,
+    LevelStats,
+    calibrate,
+    choose_level,
+)
 
 from .test_transfer_common import random_bytes, text_bytes
 
@@ -89,3 +94,25 @@ def test_measured_link_rate_moves_the_level() -> None:
     fixed = Adaptive(TEXT, 6.25 * MB)
     fixed.observe_link(2000 * MB)  # a rate the caller fixed is kept
     assert fixed.decide().level == 9
+
+
+def test_a_settled_level_is_kept_against_a_small_gain() -> None:
+    # At 50 Mbit/s level 9 ranks min(25.5, 26) = 25.5 MB/s; level 3 ranks 22.6.
+    a = Adaptive(TEXT, 6.25 * MB)
+    assert a.decide().level == 9
+    # Level 9 turns out slower (speeds x 0.85 after smoothing): ranked 21.7, level 3
+    # 22.6 -- better, but by less than 10 %: stay (a switch restarts the stream).
+    a.observe_batch(9, raw=4_000_000, packed=961_538, seconds=4_000_000 / (0.7 * 51 * MB))
+    assert choose_level(a.link_bps, list(a.stats.values())).level == 3
+    assert a.decide().level == 9 and "kept" in a.history[-1].reason
+    # Much slower (the CPU is busy): level 3 now promises well over 10 % more.
+    for _ in range(4):
+        a.observe_batch(9, raw=4_000_000, packed=961_538, seconds=4_000_000 / (0.2 * 51 * MB))
+    assert a.decide().level == 3
+
+
+def test_first_measured_link_rate_is_not_held_back() -> None:
+    a = Adaptive(TEXT, None)
+    assert a.decide().level == 3  # provisional: no link rate yet
+    a.observe_link(6.25 * MB)
+    assert a.decide().level == 9  # 13 % more than level 3 would not pass the gain; it is free

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,8 @@ import pytest
 from meshopt.cli.main import main
 from meshopt.transfer.chunking import CHUNK_MAX
 from meshopt.transfer.errors import TransferError
+from meshopt.transfer.receiver import serve_in_agent
+from meshopt.transfer.sender import TransferSummary, send_file
 
 from .test_transfer_common import ServerThread, make_server, random_bytes, send, text_bytes
 
@@ -181,3 +184,25 @@ def test_missing_file_and_closed_port_are_errors(make_server: MakeServer, tmp_pa
     srv.stop()  # nothing listens there now
     with pytest.raises(TransferError, match="cannot connect"):
         send(srv, _write(tmp_path / "f", b"x"), tmp_path)
+
+
+def test_agent_starts_and_stops_a_receiver_in_its_own_loop(tmp_path: Path) -> None:
+    src = _write(tmp_path / "f.bin", random_bytes(1_500_000))
+    root = tmp_path / "inbox"
+    root.mkdir()
+
+    async def agent() -> tuple[int, int, TransferSummary]:
+        server = await serve_in_agent(root, ["127.0.0.0/8"], port=0, host="127.0.0.1")
+        try:
+            s = await send_file(src, "127.0.0.1", server.port, cache_dir=tmp_path / "sc")
+            return server.port, server.counters.transfers_ok, s
+        finally:
+            await server.close()
+
+    port, ok, s = asyncio.run(agent())
+    assert ok == 1 and s.remote_path == "f.bin"
+    assert (root / "f.bin").read_bytes() == src.read_bytes()
+    src.write_bytes(random_bytes(1000, seed=5))
+    with pytest.raises(TransferError) as info:  # closed: nothing listens any more
+        asyncio.run(send_file(src, "127.0.0.1", port, cache_dir=tmp_path / "sc"))
+    assert info.value.code == "connect"
