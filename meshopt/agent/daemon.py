@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pyroute2.netlink.exceptions import NetlinkError
 
@@ -52,10 +53,12 @@ from meshopt.probe.pmtu import discover_pmtu
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
-from meshopt.transfer.receiver import TransferServer
 from meshopt.wireguard import AsyncKernelBackend, AsyncUserspaceBackend, AsyncWireGuardBackend
 from meshopt.wireguard.kernel import kernel_wireguard_available
 from meshopt.wireguard.model import InterfaceState
+
+if TYPE_CHECKING:
+    from meshopt.transfer.receiver import TransferServer
 
 log = logging.getLogger("meshopt.agent")
 
@@ -184,6 +187,8 @@ class Agent:
 
     async def _start_transfer(self) -> None:
         """The receiving end of ``meshopt transfer send``: mesh peers only."""
+        from meshopt.transfer.receiver import TransferServer  # zstd, FastCDC: only if used
+
         root = Path(self.cfg.transfer.directory)
         root.mkdir(parents=True, exist_ok=True)
         allow = list(self.cfg.mesh_prefixes) or self._implied_mesh_prefixes()

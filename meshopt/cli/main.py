@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
 from meshopt import __version__
-from meshopt.cli.agent_cmd import agent_cmd
-from meshopt.cli.bench_cmd import bench_group
-from meshopt.cli.controller_cmd import controller_group
-from meshopt.cli.demo_cmd import demo_cmd
-from meshopt.cli.inspect_cmd import gains_cmd, path_cmd, routes_cmd
-from meshopt.cli.lab_cmd import lab_group
-from meshopt.cli.live_cmd import graph_cmd
-from meshopt.cli.sim_cmd import sim_cmd
-from meshopt.cli.topology_cmd import topology_group
-from meshopt.cli.transfer_cmd import transfer_group
 from meshopt.errors import MeshoptError
 
+# Subcommands load on use: the agent daemon must not carry scipy, networkx and
+# matplotlib (the offline commands' weight) in every node's memory.
+COMMANDS: dict[str, str] = {
+    "sim": "meshopt.cli.sim_cmd:sim_cmd",
+    "path": "meshopt.cli.inspect_cmd:path_cmd",
+    "routes": "meshopt.cli.inspect_cmd:routes_cmd",
+    "gains": "meshopt.cli.inspect_cmd:gains_cmd",
+    "graph": "meshopt.cli.live_cmd:graph_cmd",
+    "topology": "meshopt.cli.topology_cmd:topology_group",
+    "lab": "meshopt.cli.lab_cmd:lab_group",
+    "transfer": "meshopt.cli.transfer_cmd:transfer_group",
+    "agent": "meshopt.cli.agent_cmd:agent_cmd",
+    "controller": "meshopt.cli.controller_cmd:controller_group",
+    "demo": "meshopt.cli.demo_cmd:demo_cmd",
+    "bench": "meshopt.cli.bench_cmd:bench_group",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, _, attr = target.partition(":")
+        command = getattr(importlib.import_module(module), attr)
+        assert isinstance(command, click.Command)
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="meshopt")
 def cli() -> None:
     """Route and protocol optimizer for WireGuard mesh VPNs.
@@ -29,20 +51,6 @@ def cli() -> None:
     file, an RTT matrix CSV (plain a,b,rtt_ms or RIPE Atlas form) or a generator
     such as gen:geo:n=200,seed=1 (see topologies/README.md).
     """
-
-
-cli.add_command(sim_cmd)
-cli.add_command(path_cmd)
-cli.add_command(routes_cmd)
-cli.add_command(gains_cmd)
-cli.add_command(graph_cmd)
-cli.add_command(topology_group)
-cli.add_command(lab_group)
-cli.add_command(transfer_group)
-cli.add_command(agent_cmd)
-cli.add_command(controller_group)
-cli.add_command(demo_cmd)
-cli.add_command(bench_group)
 
 
 def main(argv: list[str] | None = None) -> int:
