@@ -196,12 +196,12 @@ def render_live_path(c: Console, p: LivePath) -> None:
     if p.direct_rtt_ms is None:
         c.print("direct tunnel: no measurement")
     elif p.relays and gain is not None:
-        pct = 100 * gain / p.direct_rtt_ms if p.direct_rtt_ms else 0.0
-        colour = "green" if gain >= 0 else "red"
-        c.print(
-            f"direct tunnel: RTT {format_ms(p.direct_rtt_ms)}: relaying saves "
-            f"[bold {colour}]{format_ms(gain)}[/] ({pct:.0f}%)"
-        )
+        pct = 100 * abs(gain) / p.direct_rtt_ms if p.direct_rtt_ms else 0.0
+        if gain >= 0:
+            verdict = f"relaying saves [bold green]{format_ms(gain)}[/] ({pct:.0f}%)"
+        else:  # the controller holds routes against noise (anti-flap), or load skews RTTs
+            verdict = f"relaying costs [bold red]{format_ms(-gain)}[/] ({pct:.0f}%) more now"
+        c.print(f"direct tunnel: RTT {format_ms(p.direct_rtt_ms)}: {verdict}")
     else:
         c.print(f"direct tunnel: RTT {format_ms(p.direct_rtt_ms)}")
     c.print(f"since {when_text(p.since)} (newest route set along the path)")

