@@ -377,6 +377,9 @@ def bench_rtt(lab: Lab, s: Settings) -> dict[str, Any]:
                 "prober_error_ms": err,
                 "ping_median_ms": ping_ms,
                 "ping_error_ms": None if ping_ms is None else round(ping_ms - rtt, 3),
+                "prober_minus_ping_ms": (
+                    None if prober_ms is None or ping_ms is None else round(prober_ms - ping_ms, 3)
+                ),
                 "goal_ms": rtt_goal_ms(rtt),
                 "pass": err is not None and abs(err) <= rtt_goal_ms(rtt),
                 "runs": runs,
@@ -728,6 +731,7 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
         t0 = time.monotonic()
         stat0 = _read("/proc/stat")
         ticks0 = {n: cpu_ticks(_read(f"/proc/{pid}/stat")) for n, pid in pids.items()}
+        rss0 = {n: rss_mb(_read(f"/proc/{pid}/status")) for n, pid in pids.items()}
         time.sleep(s.cpu_window_s)
         ticks1 = {n: cpu_ticks(_read(f"/proc/{pid}/stat")) for n, pid in pids.items()}
         stat1 = _read("/proc/stat")
@@ -736,6 +740,11 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
         load = _read("/proc/loadavg").split()[:3]
         rss = {n: rss_mb(_read(f"/proc/{pid}/status")) for n, pid in pids.items()}
         since = time.monotonic() - started
+        growth = median(
+            (r1 - r0) * 60 / elapsed
+            for n, r0 in rss0.items()
+            if r0 is not None and (r1 := rss[n]) is not None
+        )
         n1_status = status_fields(
             _read(f"/proc/{pids['n1']}/status"), ("RssAnon", "RssFile", "VmPeak", "Threads")
         )
@@ -751,6 +760,8 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
             unit="% of one core (median over the agents)",
             rss_mb=round(median(rss.values()) or 0.0, 1),
             rss_max_mb=round(max_rss, 1),
+            rss_at_window_start_mb=round(median(rss0.values()) or 0.0, 1),
+            rss_growth_mb_per_min=None if growth is None else round(growth, 2),
             n1_cpu_percent=round(share["n1"], 3),
             cpu_percent_max=round(max(share.values()), 3),
             cpu_percent_since_start_median=round(median(lifetime.values()) or 0.0, 3),
@@ -780,6 +791,23 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
 
 
 # --- main -----------------------------------------------------------------------------------
+
+
+def git_head() -> str | None:
+    """The commit measured (``+dirty``: the working tree differs from it)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -837,6 +865,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": s.runs,
         "quick": args.quick,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "git": git_head(),
         "wall_s": round(time.monotonic() - started, 1),
         "machine": {"cores": os.cpu_count(), "loadavg_at_start": load0},
         "all_pass": all(f.get("pass") for f in figures.values()),
