@@ -14,6 +14,7 @@ import hashlib
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -130,6 +131,46 @@ class ChunkStore:
             with contextlib.suppress(OSError):
                 self._path(digest).unlink()
             self.evicted += 1
+
+
+class StoreWriter:
+    """Puts chunks into a ChunkStore from one background thread, off the receiving path.
+
+    Creating a file per chunk costs more than receiving it; the store is a best-effort
+    cache, so while more than ``max_backlog`` bytes wait, further chunks are not stored.
+    """
+
+    def __init__(self, store: ChunkStore, max_backlog: int = 64 << 20) -> None:
+        self.store = store
+        self.max_backlog = max_backlog
+        self.skipped = 0
+        self._backlog = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-store")
+
+    def put(self, digest: bytes, data: bytes) -> None:
+        if not self.store.enabled:
+            return
+        with self._lock:
+            if self._backlog + len(data) > self.max_backlog:
+                self.skipped += 1
+                return
+            self._backlog += len(data)
+        self._pool.submit(self._put, digest, data)
+
+    def _put(self, digest: bytes, data: bytes) -> None:
+        try:
+            self.store.put(digest, data)
+        finally:
+            with self._lock:
+                self._backlog -= len(data)
+
+    def flush(self) -> None:
+        """Wait until every queued chunk is stored (tests; shutdown)."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 _clock = 0.0

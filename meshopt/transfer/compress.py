@@ -22,8 +22,10 @@ MIN_RATIO = 1.03  # below this the data is treated as incompressible
 CPU_HEADROOM = 0.5  # rank levels as if the CPU were half as fast (see choose_level)
 MARGIN = 1.05  # compression must beat sending raw by 5 % to be worth the CPU
 # Leave a settled level only for one ranked this much faster: noise in the link and speed
-# estimates otherwise makes the level flap, and every switch restarts the stream.
-SWITCH_GAIN = 1.10
+# estimates otherwise makes the level flap, and every switch restarts the stream (which
+# costs ~50 KB of ratio here, so the bar is low; calibration on a 1 MiB sample also
+# understates what slower levels gain over a long window).
+SWITCH_GAIN = 1.03
 # Long-distance matching over a 128 MiB window: measured on the stdlib tarball here,
 # level 3 goes from ratio 4.6 to 6.6 at about the same speed (the decompressor's default
 # window limit is this size, so receivers need no setting).
@@ -159,6 +161,7 @@ class Adaptive:
         self.fixed_link = link_bps is not None
         self.history: list[Decision] = []
         self._settled: int | None = None  # the level last chosen with a known link rate
+        self.starved = False  # the last batch left the link waiting for the compressor
 
     def decide(self) -> Decision:
         d = self._keep(choose_level(self.link_bps, list(self.stats.values())))
@@ -169,18 +172,24 @@ class Adaptive:
     def _keep(self, d: Decision) -> Decision:
         """The settled level instead of ``d`` unless ``d`` ranks SWITCH_GAIN faster.
 
-        Going raw is never held back (incompressible data gains nothing from the stream),
-        nor is a level picked before the link rate was known.
+        Slower levels are climbed one at a time and never while the link waits for the
+        compressor (a receiver or CPU that holds the link back looks like a slow link,
+        and chasing it with ever slower levels would spiral). Going raw is never held
+        back, nor is a level picked before the link rate was known.
         """
         cur = self.stats.get(self._settled) if self._settled is not None else None
         if cur is None or d.level is None or d.level == cur.level or self.link_bps is None:
             return d
-        new = self.stats[d.level]
         link = self.link_bps
-        if new.effective_bps(link, CPU_HEADROOM) >= SWITCH_GAIN * cur.effective_bps(
+        new = self.stats[d.level]
+        if new.level > cur.level:
+            up = min(lv for lv in self.stats if lv > cur.level)
+            new = self.stats[up] if not self.starved else cur
+        if new.level != cur.level and new.effective_bps(
             link, CPU_HEADROOM
-        ):
-            return d
+        ) >= SWITCH_GAIN * cur.effective_bps(link, CPU_HEADROOM):
+            rate = new.effective_bps(link)
+            return Decision(new.level, rate, f"level {new.level}: ~{rate / 1e6:.1f} MB/s")
         rate = cur.effective_bps(link)
         return Decision(cur.level, rate, f"level {cur.level} kept: ~{rate / 1e6:.1f} MB/s")
 
@@ -190,15 +199,25 @@ class Adaptive:
             return
         self.link_bps = bps if self.link_bps is None else 0.5 * self.link_bps + 0.5 * bps
 
-    def observe_batch(self, level: int, raw: int, packed: int, seconds: float) -> None:
-        """Scale every level's ratio and speed by how this level did against calibration."""
+    def observe_batch(
+        self, level: int, raw: int, packed: int, seconds: float, starved: bool = True
+    ) -> None:
+        """Scale every level's ratio and speed by how this level did against calibration.
+
+        ``starved``: the socket ran out of data while this batch was being compressed.
+        Otherwise the compressor kept up, and a slow-looking batch (a thread that waited
+        for the CPU or the GIL while it had time to spare) does not lower the speeds.
+        """
         cal = self.stats.get(level)
         if cal is None or raw == 0 or packed == 0:
             return
+        self.starved = starved
         ratio = raw / packed
         speed = raw / max(seconds, 1e-6)
         r_scale = ratio / cal.ratio
         s_scale = speed / cal.compress_bps
+        if not starved:
+            s_scale = max(1.0, s_scale)
         # Smooth: one odd batch moves the estimates half way; incompressible data is
         # believed at once (the next batch goes raw).
         if ratio >= MIN_RATIO:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import zstandard as zstd
 
-from meshopt.transfer.cache import ChunkStore, ManifestCache
+from meshopt.transfer.cache import ChunkStore, ManifestCache, StoreWriter
 from meshopt.transfer.chunking import (
     CHUNK_MAX,
     DIGEST_SIZE,
@@ -120,6 +120,7 @@ class TransferServer:
         self.allow = parse_allow(allow)
         cache = Path(cache_dir) if cache_dir is not None else self.root / f"{RESERVED_PREFIX}-cache"
         self.store = ChunkStore(cache / "chunks", cache_max_bytes)
+        self.store_writer = StoreWriter(self.store)
         self.records = ManifestCache(cache / "files")
         self.max_file_bytes = max_file_bytes
         self.counters = ServerCounters()
@@ -140,6 +141,7 @@ class TransferServer:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
+        await asyncio.to_thread(self.store_writer.flush)
 
     async def serve_forever(self) -> None:
         if self._server is None:
@@ -229,6 +231,8 @@ class TransferServer:
                 basis = {old.digest(i): off for i, off in enumerate(old.offsets())}
             local: list[int] = []
             missing: list[int] = []
+            # Chunks an earlier transfer queued for the store count as cached.
+            await asyncio.to_thread(self.store_writer.flush)
             for i in job.missing():
                 d = manifest.digest(i)
                 (local if d in basis or self.store.has(d) else missing).append(i)
@@ -289,7 +293,7 @@ class TransferServer:
                 if len(data) != m.lengths[msg.index] or chunk_digest(data) != m.digest(msg.index):
                     raise TransferError(f"chunk {msg.index}: hash mismatch", code="corrupt")
                 job.write(msg.index, data)
-                self.store.put(m.digest(msg.index), data)
+                self.store_writer.put(m.digest(msg.index), data)
                 c.chunks_received += 1
             elif isinstance(msg, Done):
                 failed = await fill if not fill.done() else fill.result()

@@ -38,7 +38,7 @@ from meshopt.transfer.protocol import (
     encode,
     read_sized,
 )
-from meshopt.transfer.tcpinfo import LinkMeter
+from meshopt.transfer.tcpinfo import LinkMeter, acked_and_unsent
 
 BATCH_BYTES = 4 << 20  # raw bytes per compression decision
 SAMPLE_BYTES = 1 << 20  # calibration sample
@@ -434,7 +434,13 @@ async def _send_batches(
         for k in range(len(batches)):
             packed = await nxt
             if packed.level is not None:
-                policy.observe_batch(packed.level, packed.raw, packed.packed, packed.seconds)
+                # The kernel holding no unsent bytes when the batch is ready: the link
+                # waited for the compressor (the first batch always finds it empty).
+                left = acked_and_unsent(sock)
+                starved = k > 0 and left is not None and left[1] == 0
+                policy.observe_batch(
+                    packed.level, packed.raw, packed.packed, packed.seconds, starved
+                )
             if packed.probe is not None:
                 policy.observe_probe(packed.probe)
             if k + 1 < len(batches):
