@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,6 @@ from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
-from meshopt.probe.pmtu import discover_pmtu
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
@@ -485,10 +485,39 @@ class Agent:
                     self.counters.count("bandwidth_failed", f"{key[:8]}: {exc}")
                     continue
                 self.capacity[key] = Capacity(est.capacity_mbit, est.confidence, self.clock())
-                try:
-                    # Through this tunnel, DF set: what a bulk route's MTU may be.
-                    self.pmtu[key] = await discover_pmtu(f"{peer.probe_address}%{peer.ifname}")
-                except (MeshoptError, OSError) as exc:
-                    self.counters.count("pmtu_failed", f"{key[:8]}: {exc}")
+                pmtu = await pmtu_in_subprocess(f"{peer.probe_address}%{peer.ifname}")
+                if pmtu is None:
+                    self.counters.count("pmtu_failed", key[:8])
+                else:
+                    self.pmtu[key] = pmtu
                 self.bandwidth_bytes += est.bytes_spent
             await asyncio.sleep(cfg.interval_s)
+
+
+async def pmtu_in_subprocess(address: str, timeout: float = 30.0) -> int | None:
+    """Path MTU through a tunnel (DF set), found by a short-lived helper process.
+
+    The probes are built with scapy, which would add ~22 MB to the agent for a search
+    that runs every few minutes: a separate process pays that only while it runs.
+    """
+    code = (
+        "import asyncio, sys\n"
+        "from meshopt.probe.pmtu import discover_pmtu\n"
+        "print(asyncio.run(discover_pmtu(sys.argv[1])))\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        code,
+        address,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return None
+    text = out.decode().strip()
+    return int(text) if proc.returncode == 0 and text.isdigit() else None

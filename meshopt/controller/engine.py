@@ -19,6 +19,7 @@ the simulator predicts is what the controller does.
 from __future__ import annotations
 
 import itertools
+import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -251,6 +252,12 @@ def bulk_tuning(m: Matrices, path: list[int], dst: str) -> TcpTuning | None:
     rtt = float(sum(rtts)) if all(np.isfinite(rtts)) else None
     bws = [m.bandwidth[a, b] for a, b in hops]
     bw = float(min(bws)) if all(x > 0 for x in bws) else None
+    # Coarse steps (RTT to a power of two, rate to a power of 1.25): the windows change
+    # when the path does, not with every measurement (each change is a new route set).
+    if rtt is not None and rtt > 0:
+        rtt = float(2 ** math.ceil(math.log2(rtt)))
+    if bw is not None:
+        bw = float(1.25 ** math.floor(math.log(bw, 1.25)))
     pmtus = [int(m.pmtu[a, b]) for a, b in hops]
     family = socket.AF_INET6 if ":" in dst else socket.AF_INET
     return tcp_tuning(
