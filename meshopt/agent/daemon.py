@@ -128,6 +128,8 @@ class Agent:
         self.last_full = -1e18
         self.installed_routes = 0
         self.failed_over: set[tuple[str, str]] = set()
+        self._shape: tuple[object, ...] = ()
+        self._shape_checked = -1e18
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self.bus = BusClient(
@@ -259,6 +261,18 @@ class Agent:
         for key in removed:
             self.capacity.pop(key, None)
             log.info("peer %s gone", key[:8])
+        # Counters change every poll; the rest (interfaces, keys, AllowedIPs) rarely. Skip
+        # the netlink dumps and the re-plan while it stays the same (a full check every
+        # 30 s still catches an address removed behind our back): 15 peers' worth of
+        # this every second was most of an idle agent's CPU.
+        shape = tuple(
+            (name, st.public_key, tuple((p.public_key, p.allowed_ips) for p in st.peers))
+            for name, st in sorted(readings.items())
+        )
+        now = self.clock()
+        if shape == self._shape and now - self._shape_checked < 30.0:
+            return
+        self._shape, self._shape_checked = shape, now
         links = await self.net.links()
         addrs = await self.net.addresses()
         own: list[str] = []

@@ -44,6 +44,15 @@ VERSION = 1
 NONCE_BYTES = 8
 HEADER = struct.Struct("!2sBBH8sIQI")
 HEADER_BYTES = HEADER.size  # 30
+SEND_NS = struct.Struct("!Q")
+SEND_NS_OFFSET = 18  # magic 2, version 1, kind 1, size 2, nonce 8, seq 4
+
+
+def stamp(datagram: bytearray, send_ns: int) -> None:
+    """Write the send time into an encoded request, as late as possible before sending."""
+    SEND_NS.pack_into(datagram, SEND_NS_OFFSET, send_ns)
+
+
 # The largest UDP payload of an IPv6 packet in WireGuard's default 1420-byte MTU:
 # a probe never needs IP fragmentation through the tunnel.
 MAX_PROBE_BYTES = 1420 - 40 - 8

@@ -79,6 +79,7 @@ from meshopt.probe.packet import (
     decode,
     encode,
     probe_bytes_per_s,
+    stamp,
 )
 from meshopt.probe.stats import DEFAULT_HALF_LIFE_S, PeerWindow, ProbeStats
 from meshopt.probe.timestamps import TimerError, open_udp_socket, recv_timestamped
@@ -411,10 +412,13 @@ class Prober:
             return
         seq = self._next_seq
         self._next_seq = (seq + 1) % _SEQ_MOD
-        send_ns = time.time_ns()
-        data = encode(
-            ProbePacket(Kind.REQUEST, self.nonce, seq, send_ns, padding=self.config.padding)
+        data = bytearray(
+            encode(ProbePacket(Kind.REQUEST, self.nonce, seq, 0, padding=self.config.padding))
         )
+        # Stamped after encoding, right before the send: encoding (and a preemption
+        # during it) is not part of the round trip.
+        send_ns = time.time_ns()
+        stamp(data, send_ns)
         sent_at = time.monotonic()
         self._pending[seq] = _Pending(peer, send_ns, sent_at)
         peer.window.add_sent(seq, sent_at)

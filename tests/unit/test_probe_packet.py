@@ -229,3 +229,12 @@ def test_bad_targets_are_input_errors(args: tuple[str, ...], needle: str) -> Non
 def test_unknown_scope_interface_is_an_input_error() -> None:
     with pytest.raises(InputError, match="no interface 'nosuchif0'"):
         Target("a", "fe80::1", scope="nosuchif0").sockaddr(1)
+
+
+def test_stamp_writes_the_send_time_into_an_encoded_request() -> None:
+    from meshopt.probe.packet import Kind, ProbePacket, decode, encode, stamp
+
+    buf = bytearray(encode(ProbePacket(Kind.REQUEST, b"12345678", 7, 0, padding=3)))
+    stamp(buf, 1_700_000_000_123_456_789)
+    got = decode(bytes(buf))
+    assert (got.seq, got.send_ns, got.padding) == (7, 1_700_000_000_123_456_789, 3)
