@@ -83,14 +83,20 @@ def test_agents_probe_each_other_through_the_tunnels(mesh: LiveMesh) -> None:
     owner = mesh.key_owner()
     rtt = {owner[p["public_key"]]: p for p in t["peers"]}
     assert set(rtt) == {"n2", "n3", "n4"}
-    # Configured one-way delays 5, 15 and 40 ms: the probes measure the direct tunnels
-    # even though n1's traffic to n4 is relayed (probe addresses are never relayed).
-    for peer, want in (("n2", 10.0), ("n3", 30.0), ("n4", 80.0)):
-        p = rtt[peer]
+    for p in rtt.values():
         assert p.get("alive") is True, t
-        # Loose here (a loaded 2-core VM adds up to ~1 ms); bench_probe.py measures accuracy.
-        assert p["rtt_median_ms"] == pytest.approx(want, abs=max(2.0, 0.05 * want)), peer
         assert p["samples"] >= 5 and p["handshake_age_s"] is not None
+    # n2 and n3 are routed direct: the probes agree with ping on the same tunnel (ping
+    # right after; both carry this VM's scheduling noise alike).
+    for peer in ("n2", "n3"):
+        ping = mesh.median_rtt("n1", peer, count=20)
+        assert ping is not None
+        assert rtt[peer]["rtt_median_ms"] == pytest.approx(ping, abs=max(1.0, 0.05 * ping)), peer
+    # n4 is relayed, yet the probes measure the direct tunnel (probe addresses are never
+    # relayed): about 80 ms, while pings through the relay take 34-40 ms.
+    ping4 = mesh.median_rtt("n1", "n4", count=20)
+    assert ping4 is not None and ping4 < 50.0
+    assert rtt["n4"]["rtt_median_ms"] > 75.0
     assert t["counters"].get("probe_no_kernel_ts", 0) == 0
     assert t["addresses"] == [f"{mesh.lab.overlay_ip('n1')}/32"]
 
