@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
+from meshopt.cli.common import run_daemon
 from meshopt.errors import InputError
-
-if TYPE_CHECKING:
-    from meshopt.controller.daemon import Controller
 
 
 @click.group("controller", invoke_without_command=True)
@@ -50,23 +43,9 @@ def controller_group(
     if check:
         click.echo(f"{config_path}: ok (mesh {cfg.mesh}, controller {cfg.id})")
         return
-    logging.basicConfig(
-        level=getattr(logging, log_level.upper()),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
     from meshopt.controller.daemon import Controller
 
-    asyncio.run(_run(Controller(cfg)))
-
-
-async def _run(controller: Controller) -> None:
-    task = asyncio.current_task()
-    assert task is not None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await controller.run()
+    run_daemon(log_level, Controller(cfg).run)
 
 
 @controller_group.command("keygen")

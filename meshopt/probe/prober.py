@@ -82,7 +82,7 @@ from meshopt.probe.packet import (
     stamp,
 )
 from meshopt.probe.stats import DEFAULT_HALF_LIFE_S, PeerWindow, ProbeStats
-from meshopt.probe.timestamps import TimerError, open_udp_socket, recv_timestamped
+from meshopt.probe.timestamps import TimerError, drain_timestamped, open_udp_socket
 
 log = logging.getLogger("meshopt.probe")
 
@@ -444,22 +444,18 @@ class Prober:
         sock = self._sock
         if sock is None:
             return
-        for _ in range(DRAIN):
-            try:
-                data, addr, rx_ns = recv_timestamped(sock, MAX_PROBE_BYTES + 1)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                self.counters["recv_error"] += 1
-                self._log_once("recv", "prober: recvmsg failed: %s", exc)
-                return
-            user_ns = time.time_ns()
-            if rx_ns is None:
-                self.counters["no_kernel_ts"] += 1
-                rx_ns = user_ns
-            else:
-                self.timer_error.add(rx_ns, user_ns)
-            self._handle(data, addr, rx_ns, time.monotonic())
+        try:
+            for data, addr, rx_ns in drain_timestamped(sock, MAX_PROBE_BYTES + 1, DRAIN):
+                user_ns = time.time_ns()
+                if rx_ns is None:
+                    self.counters["no_kernel_ts"] += 1
+                    rx_ns = user_ns
+                else:
+                    self.timer_error.add(rx_ns, user_ns)
+                self._handle(data, addr, rx_ns, time.monotonic())
+        except OSError as exc:
+            self.counters["recv_error"] += 1
+            self._log_once("recv", "prober: recvmsg failed: %s", exc)
 
     def _handle(self, data: bytes, addr: object, rx_ns: int, now: float) -> None:
         try:

@@ -36,7 +36,7 @@ from meshopt.probe.packet import (
     encode,
     reply_to,
 )
-from meshopt.probe.timestamps import open_udp_socket, recv_timestamped
+from meshopt.probe.timestamps import Address, drain_timestamped, open_udp_socket
 
 log = logging.getLogger("meshopt.probe")
 
@@ -100,36 +100,35 @@ class Responder:
         sock = self._sock
         if sock is None:
             return
-        for _ in range(DRAIN):
-            try:
-                data, addr, rx_ns = recv_timestamped(sock, MAX_PROBE_BYTES + 1)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                self.counters["recv_error"] += 1
-                log.debug("probe responder: recvmsg failed: %s", exc)
-                return
-            if rx_ns is None:
-                self.counters["no_kernel_ts"] += 1
-            try:
-                request = decode(data)
-            except ProbeFormatError as exc:
-                self._drop(exc.reason, addr, str(exc))
-                continue
-            if request.kind is not Kind.REQUEST:
-                self._drop("not_request", addr, f"a {request.kind.name} is never answered")
-                continue
-            try:
-                sent_ns = time.time_ns()
-                turnaround = sent_ns - rx_ns if rx_ns is not None else 0
-                sock.sendto(encode(reply_to(request, turnaround)), addr)
-            except OSError as exc:
-                self.counters["send_error"] += 1
-                if "send_error" not in self._logged:
-                    self._logged.add("send_error")
-                    log.warning("probe responder: cannot reply to %s: %s", addr, exc)
-                continue
-            self.counters["echoed"] += 1
+        try:
+            for data, addr, rx_ns in drain_timestamped(sock, MAX_PROBE_BYTES + 1, DRAIN):
+                self._answer(sock, data, addr, rx_ns)
+        except OSError as exc:
+            self.counters["recv_error"] += 1
+            log.debug("probe responder: recvmsg failed: %s", exc)
+
+    def _answer(self, sock: socket.socket, data: bytes, addr: Address, rx_ns: int | None) -> None:
+        if rx_ns is None:
+            self.counters["no_kernel_ts"] += 1
+        try:
+            request = decode(data)
+        except ProbeFormatError as exc:
+            self._drop(exc.reason, addr, str(exc))
+            return
+        if request.kind is not Kind.REQUEST:
+            self._drop("not_request", addr, f"a {request.kind.name} is never answered")
+            return
+        try:
+            sent_ns = time.time_ns()
+            turnaround = sent_ns - rx_ns if rx_ns is not None else 0
+            sock.sendto(encode(reply_to(request, turnaround)), addr)
+        except OSError as exc:
+            self.counters["send_error"] += 1
+            if "send_error" not in self._logged:
+                self._logged.add("send_error")
+                log.warning("probe responder: cannot reply to %s: %s", addr, exc)
+            return
+        self.counters["echoed"] += 1
 
 
 async def _serve(host: str, port: int) -> dict[str, int]:

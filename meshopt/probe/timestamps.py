@@ -20,7 +20,7 @@ import statistics
 import struct
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from meshopt.probe.stats import quantile
 
@@ -44,6 +44,20 @@ def parse_rx_timestamp(ancdata: Iterable[tuple[int, int, bytes]]) -> int | None:
             sec, nsec = _TIMESPEC.unpack_from(data)
             return int(sec) * 1_000_000_000 + int(nsec)
     return None
+
+
+def drain_timestamped(
+    sock: socket.socket, bufsize: int, limit: int
+) -> Iterator[tuple[bytes, Address, int | None]]:
+    """Up to ``limit`` queued datagrams, then back to the event loop (fairness).
+
+    Stops when nothing is queued; other ``recvmsg`` errors propagate to the caller.
+    """
+    for _ in range(limit):
+        try:
+            yield recv_timestamped(sock, bufsize)
+        except BlockingIOError:
+            return
 
 
 def recv_timestamped(sock: socket.socket, bufsize: int) -> tuple[bytes, Address, int | None]:
