@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import click
 
 from meshopt.cli.common import json_option, print_json
+from meshopt.cli.live_cmd import live_options
 from meshopt.errors import InputError
 from meshopt.transfer.protocol import TRANSFER_PORT
 
@@ -37,14 +39,39 @@ def split_destination(spec: str) -> tuple[str, str]:
     return host, directory
 
 
+def resolve_node(
+    host: str,
+    broker: str | None,
+    mesh: str | None,
+    lab: str | None,
+    controller_keys: tuple[str, ...],
+    timeout: float,
+) -> str:
+    """An IP address as given; a node name -> its first overlay address, from the broker."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    from meshopt.cli.live_cmd import open_view
+
+    view = open_view(broker, mesh, lab, controller_keys, timeout)
+    t = view.telemetry.get(host)
+    if t is None or not t.addresses:
+        known = ", ".join(view.nodes) or "none"
+        raise InputError(f"no node {host!r} with an address in mesh {view.mesh} (nodes: {known})")
+    return str(ipaddress.ip_interface(t.addresses[0]).ip)
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
 @transfer_group.command("send")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-@click.argument("destination", metavar="HOST[:DIR]")
+@click.argument("destination", metavar="NODE[:DIR]")
 @click.option("--port", type=int, default=TRANSFER_PORT, show_default=True)
+@live_options
 @click.option(
     "--link-mbit",
     type=float,
@@ -61,8 +88,17 @@ def send_cmd(
     cache_dir: Path | None,
     no_progress: bool,
     as_json: bool,
+    broker: str | None,
+    mesh: str | None,
+    lab: str | None,
+    controller_keys: tuple[str, ...],
+    timeout: float,
 ) -> None:
-    """Send FILE to the receiver on HOST, into DIR below its directory."""
+    """Send FILE to the receiver on NODE, into DIR below its directory.
+
+    NODE is a mesh node's name, looked up on the broker (its overlay address from its
+    telemetry; --broker/--mesh/--lab as for `meshopt routes`), or an IP address.
+    """
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -75,6 +111,7 @@ def send_cmd(
     from meshopt.transfer.sender import send_file
 
     host, directory = split_destination(destination)
+    host = resolve_node(host, broker, mesh, lab, controller_keys, timeout)
     bar = Progress(
         "[progress.description]{task.description}",
         BarColumn(),

@@ -128,7 +128,9 @@ def test_transfer_to_the_agent_uses_the_bulk_path(mesh: LiveMesh, tmp_path: Path
             "transfer",
             "send",
             str(payload),
-            f"{lab.overlay_ip('b')}:",
+            "b:",  # the node's name: its address is looked up on the broker
+            "--lab",
+            lab.plan.name,
             "--no-progress",
             "--json",
         ],
