@@ -462,6 +462,11 @@ class Agent:
                 counters[f"probe_{k}"] = v
             for k, v in self.responder.counters.items():
                 counters[f"responder_{k}"] = v
+            # What kernel receive stamps save: how late userspace read the replies.
+            timer = self.prober.timer_error
+            if timer.count:
+                counters["probe_timer_error_median_us"] = round(timer.median_us() or 0)
+                counters["probe_timer_error_p95_us"] = round(timer.p95_us() or 0)
             msg = telemetry(
                 mesh=self.cfg.mesh,
                 node=self.cfg.node,

@@ -252,3 +252,33 @@ def test_agent_restart_leaves_no_duplicates_or_orphans(mesh: LiveMesh) -> None:
         assert prefixes == [f"{lab.overlay_ip(owner[key])}/32"]
     mesh.start_agent("n1")
     assert wait_until(lambda: len(mesh.path("n1", "n4")) == 3, 20) is not None
+
+
+def test_peers_removed_and_added_in_wireguard_are_followed(mesh: LiveMesh) -> None:
+    """No peer list of its own: a peer removed with `wg` disappears from the telemetry,
+    and comes back (probed again) when it is added back."""
+    lab = mesh.lab
+    owner = mesh.key_owner()
+    key = next(k for k, n in owner.items() if n == "n3")
+    dump = lab.run("n1", ["wg", "show", "wg0", "dump"]).stdout.splitlines()
+    fields = next(line.split("\t") for line in dump[1:] if line.startswith(key))
+    endpoint, allowed = fields[2], fields[3]
+
+    def peers() -> set[str]:
+        return {owner[p["public_key"]] for p in telemetry(lab, "n1")["peers"]}
+
+    lab.run("n1", ["wg", "set", "wg0", "peer", key, "remove"], check=True)
+    try:
+        assert wait_until(lambda: peers() == {"n2", "n4"}, 20, interval=0.5) is not None
+    finally:
+        lab.run(
+            "n1",
+            ["wg", "set", "wg0", "peer", key, "endpoint", endpoint, "allowed-ips", allowed],
+            check=True,
+        )
+
+    def back() -> bool:
+        n3 = [p for p in telemetry(lab, "n1")["peers"] if owner[p["public_key"]] == "n3"]
+        return bool(n3) and n3[0].get("alive") is True
+
+    assert wait_until(back, 30, interval=0.5) is not None
