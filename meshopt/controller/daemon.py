@@ -130,7 +130,9 @@ class Controller:
         try:
             if kind == "telemetry":
                 t = decode_telemetry(payload)
-                self.view.take(name, t, self.clock())
+                # A retained snapshot may be old: its age counts (fresh ones are timed by
+                # arrival, which needs no clock agreement between hosts).
+                self.view.take(name, t, self.clock(), self.wall() if retained else None)
                 self._mark_dirty()
             elif kind == "status":
                 if not payload:

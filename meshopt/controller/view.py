@@ -71,8 +71,17 @@ class MeshView:
     def node_of_key(self) -> dict[str, str]:
         return {k: n.name for n in self.nodes.values() for k in n.public_keys}
 
-    def take(self, topic_node: str, t: Telemetry, now: float) -> bool:
-        """Take one telemetry message; True if the graph may have changed."""
+    def take(
+        self, topic_node: str, t: Telemetry, now: float, wall: float | None = None
+    ) -> bool:
+        """Take one telemetry message; True if the graph may have changed.
+
+        With ``wall`` (the receiver's clock, like ``sent_at``), a message's age counts: a
+        retained snapshot of an agent that died long ago is stale at once, not live for
+        another ``stale_after_s``.
+        """
+        if wall is not None:
+            now -= min(max(0.0, wall - t.sent_at), self.stale_after_s * 10)
         if t.mesh != self.mesh:
             raise TelemetryRefused("wrong_mesh", f"{t.mesh!r}")
         if t.node != topic_node:
