@@ -26,6 +26,9 @@ MARGIN = 1.05  # compression must beat sending raw by 5 % to be worth the CPU
 # costs ~50 KB of ratio here, so the bar is low; calibration on a 1 MiB sample also
 # understates what slower levels gain over a long window).
 SWITCH_GAIN = 1.03
+# Levels ranked within this of the best count as equal and the fastest of them wins: a
+# small sample barely separates slow levels' ratios, and CPU left over is safety.
+TIE = 0.02
 # Long-distance matching over a 128 MiB window: measured on the stdlib tarball here,
 # level 3 goes from ratio 4.6 to 6.6 at about the same speed (the decompressor's default
 # window limit is this size, so receivers need no setting).
@@ -83,7 +86,9 @@ def choose_level(
         return Decision(default.level, 0.0, "link rate not yet measured")
     # Rank with the CPU stages at CPU_HEADROOM of their measured speed: the estimate
     # comes from a small sample, and a busy CPU slows compression, never the link.
-    best = max(usable, key=lambda s: (s.effective_bps(link_bps, CPU_HEADROOM), s.ratio))
+    top = max(s.effective_bps(link_bps, CPU_HEADROOM) for s in usable)
+    near = [s for s in usable if s.effective_bps(link_bps, CPU_HEADROOM) >= (1 - TIE) * top]
+    best = max(near, key=lambda s: s.compress_bps)
     rate = best.effective_bps(link_bps)
     if rate < margin * link_bps:
         fastest = max(usable, key=lambda s: s.compress_bps)
@@ -156,7 +161,10 @@ class Adaptive:
     """Level choice during a transfer: calibration scaled by what batches really did."""
 
     def __init__(self, stats: Sequence[LevelStats], link_bps: float | None) -> None:
-        self.stats = {s.level: s for s in stats}
+        self.base = {s.level: s for s in stats}  # the calibration
+        self.ratio_f = 1.0  # this data against the calibration sample
+        self.speed_f = 1.0  # this data and CPU against the calibration
+        self.stats = dict(self.base)  # the calibration scaled by both
         self.link_bps = link_bps
         self.fixed_link = link_bps is not None
         self.history: list[Decision] = []
@@ -208,31 +216,32 @@ class Adaptive:
         Otherwise the compressor kept up, and a slow-looking batch (a thread that waited
         for the CPU or the GIL while it had time to spare) does not lower the speeds.
         """
-        cal = self.stats.get(level)
+        cal = self.base.get(level)
         if cal is None or raw == 0 or packed == 0:
             return
         self.starved = starved
         ratio = raw / packed
-        speed = raw / max(seconds, 1e-6)
-        r_scale = ratio / cal.ratio
-        s_scale = speed / cal.compress_bps
+        r_obs = ratio / cal.ratio
+        s_obs = raw / max(seconds, 1e-6) / cal.compress_bps
         if not starved:
-            s_scale = max(1.0, s_scale)
+            s_obs = max(1.0, s_obs)  # against the calibration: no ratchet upwards
         # Smooth: one odd batch moves the estimates half way; incompressible data is
         # believed at once (the next batch goes raw).
-        if ratio >= MIN_RATIO:
-            r_scale = 0.5 + 0.5 * r_scale
-        s_scale = 0.5 + 0.5 * s_scale
+        self.ratio_f = 0.5 * self.ratio_f + 0.5 * r_obs if ratio >= MIN_RATIO else r_obs
+        self.speed_f = 0.5 * self.speed_f + 0.5 * s_obs
+        self._rescale()
+
+    def _rescale(self) -> None:
         self.stats = {
-            lv: replace(s, ratio=s.ratio * r_scale, compress_bps=s.compress_bps * s_scale)
-            for lv, s in self.stats.items()
+            lv: replace(s, ratio=s.ratio * self.ratio_f, compress_bps=s.compress_bps * self.speed_f)
+            for lv, s in self.base.items()
         }
 
     def observe_probe(self, probe: LevelStats) -> None:
         """A level-1 probe while sending raw: compressible again re-opens calibration."""
-        cal = self.stats.get(probe.level)
+        cal = self.base.get(probe.level)
         if cal is None:
-            self.stats[probe.level] = probe
-            return
-        factor = probe.ratio / cal.ratio if cal.ratio > 0 else 1.0
-        self.stats = {lv: replace(s, ratio=s.ratio * factor) for lv, s in self.stats.items()}
+            self.base[probe.level] = replace(probe, ratio=probe.ratio / self.ratio_f)
+        else:
+            self.ratio_f = probe.ratio / cal.ratio if cal.ratio > 0 else 1.0
+        self._rescale()

@@ -432,12 +432,13 @@ async def _send_batches(
         )
         meter = LinkMeter(sock)
         for k in range(len(batches)):
+            waited = not nxt.done()
             packed = await nxt
             if packed.level is not None:
-                # The kernel holding no unsent bytes when the batch is ready: the link
+                # We waited for the batch and the kernel ran out of unsent bytes: the link
                 # waited for the compressor (the first batch always finds it empty).
                 left = acked_and_unsent(sock)
-                starved = k > 0 and left is not None and left[1] == 0
+                starved = waited and k > 0 and left is not None and left[1] == 0
                 policy.observe_batch(
                     packed.level, packed.raw, packed.packed, packed.seconds, starved
                 )

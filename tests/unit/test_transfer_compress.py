@@ -135,3 +135,18 @@ def test_first_measured_link_rate_is_not_held_back() -> None:
     assert a.decide().level == 3  # provisional: no link rate yet
     a.observe_link(6.25 * MB)
     assert a.decide().level == 9  # 13 % more than level 3 would not pass the gain; it is free
+
+
+def test_levels_within_two_percent_count_as_equal_and_the_fastest_wins() -> None:
+    # Both keep up with a 50 Mbit/s link at half CPU; 9 packs 0.7 % tighter, 6 is faster.
+    stats = [LevelStats(6, 145 * MB, 1300 * MB, 7.17), LevelStats(9, 100 * MB, 1300 * MB, 7.22)]
+    assert choose_level(6.25 * MB, stats).level == 6
+
+
+def test_fast_stretches_do_not_ratchet_the_speed_estimates_up() -> None:
+    a = Adaptive(TEXT, 6.25 * MB)
+    a.observe_batch(9, 4_000_000, 961_538, 4_000_000 / (3 * 51 * MB), starved=False)
+    assert a.speed_f == 2.0  # really faster: believed (half way)
+    for _ in range(8):  # slower than calibrated, but the link never waited
+        a.observe_batch(9, 4_000_000, 961_538, 4_000_000 / (0.5 * 51 * MB), starved=False)
+    assert abs(a.speed_f - 1.0) < 0.01  # back to the calibration, not below, not stuck high
