@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
+from types import FrameType
 
 import click
 
@@ -44,6 +46,11 @@ def convergence_cmd(
 
     if quick:
         runs, stability_s = 1, min(stability_s, 60.0)
+
+    def on_term(_sig: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt  # so every lab's `finally` tears it down
+
+    signal.signal(signal.SIGTERM, on_term)
     err = console(stderr=True)
     result = bench(topology=topology, runs=runs, stability_s=stability_s, progress=err.log)
     if baseline is not None:

@@ -213,6 +213,7 @@ def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, flo
     slope = metric.loss_penalty_ms / max(1.0 - p, 1e-3) ** 2
     # The jitter term is an estimate too, and a skittish one: a few delayed probes (a
     # busy host, a burst of cross traffic) move RFC 3550 jitter by tens of percent within
-    # seconds. Counting half of it as noise keeps such swings from looking like gains.
-    jitter_sd = 0.5 * metric.jitter_weight * sample.jitter_ms
+    # seconds. A quarter of the term as its noise keeps such swings from looking like
+    # gains without hiding real ones (a half blocked 8 ms relay gains on a busy host).
+    jitter_sd = 0.25 * metric.jitter_weight * sample.jitter_ms
     return metric.link_cost(sample), math.hypot(sample.noise_ms, slope * loss_sd, jitter_sd)
