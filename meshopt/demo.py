@@ -155,7 +155,7 @@ def run_demo(
         done = (0, 1)
         converged: float | None = None
         while time.monotonic() - t0 < converge_timeout:
-            done = on_optimum(mesh, best, rel=0.05, abs_ms=PolicyConfig().abs_margin_ms)
+            done = on_optimum(mesh, best, abs_ms=PolicyConfig().abs_margin_ms)
             progress(f"converging: {done[0]}/{done[1]} pairs on (or near) their optimum path")
             if done[0] == done[1]:
                 converged = time.monotonic() - t0

@@ -71,9 +71,7 @@ class MeshView:
     def node_of_key(self) -> dict[str, str]:
         return {k: n.name for n in self.nodes.values() for k in n.public_keys}
 
-    def take(
-        self, topic_node: str, t: Telemetry, now: float, wall: float | None = None
-    ) -> bool:
+    def take(self, topic_node: str, t: Telemetry, now: float, wall: float | None = None) -> bool:
         """Take one telemetry message; True if the graph may have changed.
 
         With ``wall`` (the receiver's clock, like ``sent_at``), a message's age counts: a

@@ -40,6 +40,7 @@ class PairQuality:
     optimum_path: list[str]
     achieved_ms: float | None  # median ping RTT through the installed routes
     path: list[str]  # as the nodes forward now
+    policy_optimal: bool = False  # the path is one the anti-flap policy would keep
 
     @property
     def error(self) -> float | None:
@@ -64,6 +65,7 @@ def route_quality(
     count: int = 10,
     metric: Metric | None = None,
     only: Sequence[tuple[str, str]] | None = None,
+    abs_margin_ms: float = 5.0,
 ) -> list[PairQuality]:
     best = optimum(mesh, metric)
     hops = mesh.next_hops()
@@ -81,33 +83,37 @@ def route_quality(
             optimum_path=[info.src, *(h.dst for h in info.hops)],
             achieved_ms=statistics.median(rtts) if rtts else None,
             path=mesh.path_from(hops, a, b),
+            policy_optimal=near_optimum(best, mesh.path_from(hops, a, b), abs_margin_ms),
         )
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         return list(pool.map(one, todo))
 
 
-def on_optimum(
-    mesh: LiveMesh, best: Plan, *, rel: float = 0.0, abs_ms: float = 0.0
-) -> tuple[int, int]:
-    """(pairs forwarded on a path as good as the optimum, all pairs), read from the nodes.
-
-    "As good": RTT within ``rel`` of the optimum's, or within ``abs_ms`` (the policy
-    deliberately does not chase gains below its absolute margin).
-    """
-    hops = mesh.next_hops()
-    rtt = best.rtt
+def path_cost(best: Plan, path: Sequence[str]) -> float:
+    """Metric cost of a forwarding path on the configured topology, relay hops included."""
     index = {n: i for i, n in enumerate(best.tables.names)}
-    good = 0
+    links = sum(float(best.link_cost[index[x], index[y]]) for x, y in itertools.pairwise(path))
+    return links + best.metric.relay_hop_ms * max(0, len(path) - 2)
+
+
+def near_optimum(best: Plan, path: Sequence[str], abs_ms: float, rel: float = 0.05) -> bool:
+    """True when the policy has no reason to move ``path``: its metric cost is within
+    ``rel`` of the optimum's, or less than ``abs_ms`` (the policy's absolute margin) above
+    it. A relay hop costs ``relay_hop_ms`` in the metric, so a relay that saves less
+    RTT than that plus the margin is deliberately not taken."""
+    if len(path) < 2 or path[-1] == "?":
+        return False
+    got = path_cost(best, path)
+    opt = path_info(best, path[0], path[-1]).cost_ms
+    return got <= opt * (1.0 + rel) + 1e-6 or got - opt < abs_ms
+
+
+def on_optimum(mesh: LiveMesh, best: Plan, *, abs_ms: float, rel: float = 0.05) -> tuple[int, int]:
+    """(pairs forwarded on a path the policy would keep, all pairs), read from the nodes."""
+    hops = mesh.next_hops()
     todo = pairs(mesh.nodes)
-    for a, b in todo:
-        path = mesh.path_from(hops, a, b)
-        if path[-1] != b:
-            continue
-        got = sum(rtt[index[x], index[y]] for x, y in itertools.pairwise(path))
-        opt = path_info(best, a, b).rtt_ms
-        if got <= opt * (1.0 + rel) + 1e-6 or got - opt <= abs_ms:
-            good += 1
+    good = sum(1 for a, b in todo if near_optimum(best, mesh.path_from(hops, a, b), abs_ms, rel))
     return good, len(todo)
 
 
