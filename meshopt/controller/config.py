@@ -52,6 +52,8 @@ class ControllerConfig:
     debounce_s: float = 0.2
     warmup_s: float = 10.0  # first routes once every link has warmup_samples, or after this
     warmup_samples: int = 8
+    startup_s: float = 60.0  # after the first telemetry: the routes are still settling
+    startup_hold_s: float = 5.0  # hold time meanwhile (the policy's own hold_s after)
     stale_after_s: float = 15.0
     lease_s: float = 3.0
     settle_s: float = 0.5

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -194,7 +195,15 @@ class Controller:
     async def recompute(self, now: float, wall: float) -> None:
         if not self.view.nodes:
             return
-        c = self.engine.compute(self.view, now)
+        policy = None
+        first = self.view.first_seen
+        if first is not None and now - first < self.cfg.startup_s:
+            # The first routes rest on young estimates: let better ones replace them
+            # after a short hold instead of the full one.
+            policy = dataclasses.replace(
+                self.engine.policy, hold_s=min(self.engine.policy.hold_s, self.cfg.startup_hold_s)
+            )
+        c = self.engine.compute(self.view, now, policy)
         self.last = c
         self.recomputes += 1
         changed = int(c.decision.changed.sum())

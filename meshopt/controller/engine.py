@@ -126,7 +126,8 @@ class RouteEngine:
         self.names = names
         self.installed = inst
 
-    def compute(self, view: MeshView, now: float) -> Computed:
+    def compute(self, view: MeshView, now: float, policy: PolicyConfig | None = None) -> Computed:
+        """One decision; ``policy`` overrides the engine's (e.g. a short start-up hold)."""
         m = view.matrices(now)
         names = m.names
         if self.installed is None:
@@ -146,7 +147,7 @@ class RouteEngine:
             m.cost,
             m.noise,
             now,
-            self.policy,
+            policy or self.policy,
             relay_hop_ms=self.relay_hop_ms,
             symmetric=self.symmetric,
         )
