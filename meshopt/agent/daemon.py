@@ -189,18 +189,17 @@ class Agent:
 
     async def _start_transfer(self) -> None:
         """The receiving end of ``meshopt transfer send``: mesh peers only."""
-        from meshopt.transfer.receiver import TransferServer  # zstd, FastCDC: only if used
+        from meshopt.transfer.receiver import serve_in_agent  # zstd, FastCDC: only if used
 
         root = Path(self.cfg.transfer.directory)
         root.mkdir(parents=True, exist_ok=True)
         allow = list(self.cfg.mesh_prefixes) or self._implied_mesh_prefixes()
-        self.transfer = TransferServer(
+        self.transfer = await serve_in_agent(
             root,
+            allow,
             port=self.cfg.transfer.port,
-            allow=allow,
             cache_dir=Path(self.cfg.state_dir) / "transfer-cache",
         )
-        await self.transfer.start()
 
     async def _teardown(self) -> None:
         with contextlib.suppress(Exception):
