@@ -422,9 +422,16 @@ class Agent:
         if rs.version < installed or (rs.version == installed and self.route_set is not None):
             self.counters.count("routeset_replay", f"version {rs.version} <= {installed}")
             return
+        if rs.term < self.state.route_term:
+            # A deposed controller that has not noticed yet: a newer term has spoken.
+            self.counters.count(
+                "routeset_old_term", f"{rs.controller} term {rs.term} < {self.state.route_term}"
+            )
+            return
         self.route_set = rs
-        if rs.version != installed:
+        if rs.version != installed or rs.term != self.state.route_term:
             self.state.route_version = rs.version
+            self.state.route_term = rs.term
             save_state(self.state_path, self.state)
         log.info("route set v%d from %s: %d routes", rs.version, rs.controller, len(rs.routes))
         self._wake.set()

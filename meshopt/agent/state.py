@@ -21,6 +21,7 @@ class AgentState(msgspec.Struct):
     v: int = 1
     baseline: dict[str, list[str]] = msgspec.field(default_factory=dict)
     route_version: int = 0
+    route_term: int = 0  # the newest controller term seen in an installed route set
 
 
 def load_state(path: Path) -> AgentState:

@@ -133,7 +133,7 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
     stranger = generate_signing_key()[0]
     owner_n4 = next(k for k, n in mesh.key_owner().items() if n == "n4")
 
-    def signed(routes: list[Route], version: int, k: Any = key) -> bytes:
+    def signed(routes: list[Route], version: int, k: Any = key, term: int | None = None) -> bytes:
         return sign_route_set(
             RouteSet(
                 mesh=lab.plan.name,
@@ -141,7 +141,7 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
                 version=version,
                 issued_at=time.time(),
                 controller="test",
-                term=current.term,
+                term=current.term if term is None else term,
                 routes=routes,
             ),
             k,
@@ -159,6 +159,7 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
         signed(current.routes, current.version + 10**9, stranger),  # wrong key
         signed(current.routes, current.version - 1),  # replay of an older version
         signed(bad_routes, current.version + 1),
+        signed(current.routes, current.version + 2, term=current.term - 1),  # deposed
     ):
         bus_publish(lab, topic, payload, tmp_path)
     want = {
@@ -168,6 +169,7 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
         "routeset_replay",
         "route_outside_mesh",
         "route_unknown_peer",
+        "routeset_old_term",
     }
 
     def counted() -> bool:
