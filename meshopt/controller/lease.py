@@ -74,7 +74,9 @@ class LeaseKeeper:
                 self.term = cur.term
                 return self._activate(now)
             if free:
-                self.term = (cur.term if cur is not None else 0) + 1
+                # Terms grow with the clock as well: a broker that lost its retained lease
+                # must not restart terms at 1 below what agents have already installed.
+                self.term = max((cur.term if cur is not None else 0) + 1, int(now))
                 self.role = "claiming"
                 self.claimed_at = now
                 return self._lease(now)
