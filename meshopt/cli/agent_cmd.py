@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from meshopt.agent.config import load_config
-from meshopt.cli.common import run_daemon
+from meshopt.cli.daemon_runner import run_daemon
 
 
 @click.command("agent")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from meshopt.cli.common import run_daemon
+from meshopt.cli.daemon_runner import run_daemon
 from meshopt.errors import InputError
 
 
