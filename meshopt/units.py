@@ -51,8 +51,8 @@ def parse_duration_s(value: object, what: str = "duration") -> float:
     """Seconds from '120s', '2m', '500ms' or a bare number (seconds)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         return parse_time_ms(float(value) * 1e3, what) / 1e3
-    if isinstance(value, str) and re.fullmatch(r"\s*" + _NUM + r"\s*", value):
-        return parse_time_ms(float(value) * 1e3, what) / 1e3
+    if isinstance(value, str) and re.fullmatch(_NUM, value.strip()):
+        return parse_time_ms(float(value.strip()) * 1e3, what) / 1e3
     return parse_time_ms(value, what) / 1e3
 
 

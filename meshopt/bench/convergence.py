@@ -185,7 +185,10 @@ def stability(
         mesh.start()
         best = optimum(mesh, Metric())
         wait_until(
-            lambda: on_optimum(mesh, best, abs_ms=5.0)[0] == len(pairs(mesh.nodes)),
+            lambda: (
+                on_optimum(mesh, best, abs_ms=PolicyConfig().abs_margin_ms)[0]
+                == len(pairs(mesh.nodes))
+            ),
             90,
             interval=0.5,
         )

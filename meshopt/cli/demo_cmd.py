@@ -12,6 +12,7 @@ from rich.table import Table
 
 from meshopt.cli.common import console, json_option, print_json
 from meshopt.errors import InputError
+from meshopt.policy import PolicyConfig
 
 DEFAULT_TOPOLOGY = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -73,8 +74,9 @@ def demo_cmd(
     out.print(
         f"[bold]{report.topology}[/]: {len(report.nodes)} nodes, {report.layout} layout; "
         + (
-            f"all {total} routes on their optimum (within 5 % or the 5 ms anti-flap "
-            f"margin) {conv:.1f} s after the agents started"
+            f"all {total} routes on a path the anti-flap policy keeps (within 5 % of the "
+            f"optimum's cost, or less than its {PolicyConfig().abs_margin_ms:g} ms margin) "
+            f"{conv:.1f} s after the agents started"
             if conv is not None
             else f"{good}/{total} routes on their optimum (not converged)"
         )

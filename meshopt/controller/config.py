@@ -18,7 +18,7 @@ NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 @dataclass(frozen=True)
 class PolicySettings:
-    abs_margin_ms: float = 5.0
+    abs_margin_ms: float = 3.0
     rel_margin: float = 0.10
     noise_sigmas: float = 3.0
     hold_s: float = 30.0

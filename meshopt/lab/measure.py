@@ -65,7 +65,7 @@ def route_quality(
     count: int = 10,
     metric: Metric | None = None,
     only: Sequence[tuple[str, str]] | None = None,
-    abs_margin_ms: float = 5.0,
+    abs_margin_ms: float = 3.0,
 ) -> list[PairQuality]:
     best = optimum(mesh, metric)
     hops = mesh.next_hops()

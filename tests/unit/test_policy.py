@@ -119,7 +119,7 @@ def test_first_install_is_best() -> None:
 
 
 def test_gain_below_absolute_margin_is_kept() -> None:
-    cost = triangle(20, 7, 7)  # relay 16: gain 4 ms < 5 ms (though 20 % of 20 ms)
+    cost = triangle(20, 8, 8)  # relay 18: gain 2 ms < 3 ms (though 10 % of 20 ms)
     d = step(installed_direct(), cost, now=100.0)
     assert compute_routes(cost).next_hop[0, 2] == 1
     assert d.installed.next_hop[0, 2] == 2
