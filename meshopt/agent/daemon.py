@@ -21,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -497,7 +498,8 @@ class Agent:
 
     async def _bandwidth_loop(self) -> None:
         cfg = self.cfg.bandwidth
-        await asyncio.sleep(cfg.first_after_s)
+        # Spread out: agents started together must not all send trains at once.
+        await asyncio.sleep(cfg.first_after_s * random.uniform(0.75, 1.25))
         while True:
             for key, peer in list(self.tracker.peers.items()):
                 if self.prober.alive(key) is not True:
@@ -510,39 +512,57 @@ class Agent:
                     self.counters.count("bandwidth_failed", f"{key[:8]}: {exc}")
                     continue
                 self.capacity[key] = Capacity(est.capacity_mbit, est.confidence, self.clock())
-                pmtu = await pmtu_in_subprocess(f"{peer.probe_address}%{peer.ifname}")
-                if pmtu is None:
-                    self.counters.count("pmtu_failed", key[:8])
-                else:
-                    self.pmtu[key] = pmtu
                 self.bandwidth_bytes += est.bytes_spent
-            await asyncio.sleep(cfg.interval_s)
+            # Path MTUs change rarely: only peers not measured yet, all in one helper run.
+            todo = {
+                f"{p.probe_address}%{p.ifname}": k
+                for k, p in self.tracker.peers.items()
+                if k not in self.pmtu and self.prober.alive(k) is True
+            }
+            if todo:
+                found = await pmtu_in_subprocess(list(todo))
+                for address, key in todo.items():
+                    if address in found:
+                        self.pmtu[key] = found[address]
+                    else:
+                        self.counters.count("pmtu_failed", key[:8])
+            await asyncio.sleep(cfg.interval_s * random.uniform(0.9, 1.1))
 
 
-async def pmtu_in_subprocess(address: str, timeout: float = 30.0) -> int | None:
-    """Path MTU through a tunnel (DF set), found by a short-lived helper process.
+async def pmtu_in_subprocess(addresses: Sequence[str], timeout: float = 120.0) -> dict[str, int]:
+    """Path MTU through each tunnel (DF set), found by one short-lived helper process.
 
-    The probes are built with scapy, which would add ~22 MB to the agent for a search
-    that runs every few minutes: a separate process pays that only while it runs.
+    The probes are built with scapy, which would add ~22 MB to the agent for searches
+    that run once per peer: a separate process pays that only while it runs.
     """
     code = (
         "import asyncio, sys\n"
         "from meshopt.probe.pmtu import discover_pmtu\n"
-        "print(asyncio.run(discover_pmtu(sys.argv[1])))\n"
+        "async def main():\n"
+        "    for a in sys.argv[1:]:\n"
+        "        try:\n"
+        "            print(a, await discover_pmtu(a), flush=True)\n"
+        "        except Exception as e:\n"
+        "            print(a, 'error', flush=True)\n"
+        "asyncio.run(main())\n"
     )
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
         code,
-        address,
+        *addresses,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
     )
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return None
-    text = out.decode().strip()
-    return int(text) if proc.returncode == 0 and text.isdigit() else None
+        return {}
+    found: dict[str, int] = {}
+    for line in out.decode().splitlines():
+        address, _, value = line.rpartition(" ")
+        if value.isdigit():
+            found[address] = int(value)
+    return found
