@@ -45,7 +45,7 @@ class BandwidthSettings:
 class TelemetrySettings:
     """Change-driven publishing with a periodic full snapshot."""
 
-    check_interval_s: float = 0.5
+    check_interval_s: float = 1.0
     full_interval_s: float = 5.0
     rtt_change_ms: float = 1.0
     rtt_change_rel: float = 0.10
@@ -95,7 +95,7 @@ class AgentConfig:
     broker: str = "mqtt://127.0.0.1:1883"
     controller_keys: tuple[str, ...] = ()
     state_dir: str = "/var/lib/meshopt"
-    peer_poll_s: float = 1.0
+    peer_poll_s: float = 2.0
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     bandwidth: BandwidthSettings = field(default_factory=BandwidthSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
