@@ -74,7 +74,7 @@ def wireguard_backend(cfg: AgentConfig) -> AsyncWireGuardBackend:
 
 
 class Agent:
-    """One node's agent. ``await run()`` until cancelled; ``stop()`` ends it cleanly."""
+    """One node's agent: ``await run()`` until cancelled; cancelling runs its teardown."""
 
     def __init__(
         self,
