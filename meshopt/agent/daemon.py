@@ -526,7 +526,11 @@ class Agent:
                         self.pmtu[key] = found[address]
                     else:
                         self.counters.count("pmtu_failed", key[:8])
-            await asyncio.sleep(cfg.interval_s * random.uniform(0.9, 1.1))
+            # Peers not measured yet (not answering at the first round, or added since)
+            # are tried again soon rather than after a whole interval.
+            missing = any(k not in self.capacity or k not in self.pmtu for k in self.tracker.peers)
+            wait = min(cfg.interval_s, max(cfg.first_after_s, 5.0)) if missing else cfg.interval_s
+            await asyncio.sleep(wait * random.uniform(0.9, 1.1))
 
 
 async def pmtu_in_subprocess(addresses: Sequence[str], timeout: float = 120.0) -> dict[str, int]:
