@@ -112,7 +112,10 @@ def test_routes_json_shows_the_relay_the_nodes_use(mesh: LiveMesh) -> None:
     want = underlay_rtt(mesh, to_n4["path"])
     hops = json.loads(meshopt("path", "--lab", name, "n1", "n4", "--json").stdout)["hops"]
     assert want * 0.9 < to_n4["rtt_ms"] < want * 2 + 5, (to_n4, want, hops)
-    assert 80 * 0.9 < to_n4["direct_rtt_ms"] < 80 * 2 + 5, to_n4
+    # One probe delayed by a VM stall (up to the 1 s timeout) lifts a 2 s-half-life
+    # smoothed RTT by ~100 ms for a few seconds (CI saw 184 ms once): only a figure of
+    # the wrong link (the 34-40 ms relayed path) is caught here.
+    assert 80 * 0.9 < to_n4["direct_rtt_ms"] < 80 * 5, to_n4
     # every node's route to every other node is there, and named
     for node, table in data["nodes"].items():
         assert {r["dst"] for r in table["routes"]} == {"n1", "n2", "n3", "n4"} - {node}
