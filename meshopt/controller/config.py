@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,12 @@ class PolicySettings:
     rel_margin: float = 0.10
     noise_sigmas: float = 3.0
     hold_s: float = 30.0
+    confirm_abs_ms: float = 1.0
+    confirm_rel: float = 0.03
+    confirm_s: float = 30.0
 
     def policy(self) -> PolicyConfig:
-        return PolicyConfig(self.abs_margin_ms, self.rel_margin, self.noise_sigmas, self.hold_s)
+        return PolicyConfig(**asdict(self))
 
 
 @dataclass(frozen=True)

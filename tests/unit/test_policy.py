@@ -126,6 +126,43 @@ def test_gain_below_absolute_margin_is_kept() -> None:
     assert not d.changed.any() and not d.held.any() and not d.improved.any()
 
 
+def test_small_gain_is_taken_once_it_has_lasted_confirm_s() -> None:
+    cost = triangle(20, 8, 8)  # relay 18: 2 ms ≥ confirm_abs_ms 1 and ≥ 3 % of 20 ms
+    prev = installed_direct()
+    for now in (100.0, 110.0, 129.0):
+        d = step(prev, cost, now=now)
+        assert d.installed.next_hop[0, 2] == 2 and not d.changed.any(), now
+        assert d.installed.better_since is not None
+        assert d.installed.better_since[0, 2] == 100.0  # counting since the first sighting
+        prev = d.installed
+    d = step(prev, cost, now=130.0)
+    assert d.installed.next_hop[0, 2] == 1 and d.improved[0, 2] and d.improved[2, 0]
+    assert d.installed.better_since is not None and np.isnan(d.installed.better_since).all()
+
+
+def test_small_gain_that_lapses_starts_counting_again() -> None:
+    small, equal = triangle(20, 8, 8), triangle(18, 8, 8)
+    prev = installed_direct()
+    for now, cost in [(100.0, small), (120.0, equal), (125.0, small), (150.0, small)]:
+        d = step(prev, cost, now=now)
+        assert not d.changed.any(), now  # 25 s since the lapse: not yet
+        prev = d.installed
+    assert prev.better_since is not None and prev.better_since[0, 2] == 125.0
+    d = step(prev, small, now=155.0)
+    assert d.improved[0, 2]
+
+
+def test_tiny_or_noisy_gain_is_never_taken() -> None:
+    tiny = triangle(20, 8.8, 8.8)  # relay 19.6: 0.4 ms < confirm_abs_ms
+    noisy = triangle(20, 8, 8)  # 2 ms, within 3σ of noise 1 ms per link (3·sqrt(3) ≈ 5.2)
+    prev = installed_direct()
+    for now in range(100, 400, 10):
+        d1 = step(prev, tiny, now=float(now))
+        d2 = step(prev, noisy, now=float(now), noise=np.full((3, 3), 1.0))
+        assert not d1.changed.any() and not d2.changed.any()
+        prev = d1.installed
+
+
 def test_gain_below_relative_margin_is_kept() -> None:
     cost = triangle(100, 45, 45)  # relay 92: gain 8 ms ≥ 5 ms but < 10 % of 100 ms
     d = step(installed_direct(), cost, now=100.0)
@@ -325,6 +362,12 @@ def test_reindex_keeps_old_entries_and_fails_new_ones() -> None:
     moved = reindex(d.installed, ["a", "b", "c"], ["c", "b", "z"])  # a left, z joined
     assert moved.next_hop.tolist() == [[0, 1, NO_ROUTE], [0, 1, NO_ROUTE], [NO_ROUTE] * 2 + [2]]
     assert moved.since[0, 1] == 0.0 and moved.since[0, 2] == -INF
+    assert moved.better_since is not None and np.isnan(moved.better_since).all()
+    d.installed.better_since = np.array([[np.nan, 4.0, 5.0], [6.0, np.nan, 7.0], [8, 9, np.nan]])
+    moved = reindex(d.installed, ["a", "b", "c"], ["c", "b", "z"])
+    assert moved.better_since is not None
+    assert moved.better_since[0, 1] == 9.0 and moved.better_since[1, 0] == 7.0
+    assert np.isnan(moved.better_since[2]).all() and np.isnan(moved.better_since[:, 2]).all()
 
 
 # ---------------------------------------------------------------------------- properties
@@ -343,6 +386,9 @@ def scenarios(draw: st.DrawFn) -> tuple[int, int, int, PolicyConfig, bool]:
             rel_margin=st.floats(0, 0.5),
             noise_sigmas=st.floats(0, 5),
             hold_s=st.floats(0, 60),
+            confirm_abs_ms=st.floats(0, 10),
+            confirm_rel=st.floats(0, 0.2),
+            confirm_s=st.floats(0, 60),
         )
     )
     symmetric = draw(st.booleans())
