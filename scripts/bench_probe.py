@@ -732,8 +732,17 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
         stat0 = _read("/proc/stat")
         ticks0 = {n: cpu_ticks(_read(f"/proc/{pid}/stat")) for n, pid in pids.items()}
         rss0 = {n: rss_mb(_read(f"/proc/{pid}/status")) for n, pid in pids.items()}
-        time.sleep(s.cpu_window_s)
-        ticks1 = {n: cpu_ticks(_read(f"/proc/{pid}/stat")) for n, pid in pids.items()}
+        # Several back-to-back windows: the figure is the median of their medians, so one
+        # window disturbed by the rest of a shared machine does not decide it.
+        windows: list[float] = []
+        ticks1, w0 = ticks0, t0
+        for _ in range(s.runs):
+            time.sleep(s.cpu_window_s)
+            ticks_w = {n: cpu_ticks(_read(f"/proc/{pid}/stat")) for n, pid in pids.items()}
+            w1 = time.monotonic()
+            per = [100.0 * (ticks_w[n] - ticks1[n]) / hz / (w1 - w0) for n in nodes]
+            windows.append(median(per) or 0.0)
+            ticks1, w0 = ticks_w, w1
         stat1 = _read("/proc/stat")
         elapsed = time.monotonic() - t0
         emu1 = lab.emulator.stats()
@@ -751,13 +760,14 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
         share = {n: 100.0 * (ticks1[n] - ticks0[n]) / hz / elapsed for n in nodes}
         lifetime = {n: 100.0 * ticks1[n] / hz / since for n in nodes}
         alive = alive_peers(lab, "n1")
-        med_share = median(share.values()) or 0.0
+        med_share = median(windows) or 0.0
         max_rss = max((r for r in rss.values() if r is not None), default=0.0)
         return figure(
             round(med_share, 3),
             "<= 2 % of one core and <= 80 MB RSS per agent with 15 peers",
             med_share <= 2.0 and max_rss <= 80.0,
-            unit="% of one core (median over the agents)",
+            unit="% of one core (median over windows of the median over the agents)",
+            window_medians=[round(w, 3) for w in windows],
             rss_mb=round(median(rss.values()) or 0.0, 1),
             rss_max_mb=round(max_rss, 1),
             rss_at_window_start_mb=round(median(rss0.values()) or 0.0, 1),
@@ -765,7 +775,7 @@ def bench_cpu(s: Settings, name: str) -> dict[str, Any]:
             n1_cpu_percent=round(share["n1"], 3),
             cpu_percent_max=round(max(share.values()), 3),
             cpu_percent_since_start_median=round(median(lifetime.values()) or 0.0, 3),
-            window_s=round(elapsed, 1),
+            window_s=round(elapsed / len(windows), 1),
             agents=len(nodes),
             n1_peers_alive=alive,
             all_peers_seen_before_window=seen,
