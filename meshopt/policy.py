@@ -22,8 +22,9 @@ Rules, per entry (s, d) whose installed next hop differs from the best one:
   changed within the last ``hold_s`` seconds. A gain that passes the margins
   but not the hold is reported as **held**.
 * **Confirmed**: a smaller gain, ≥ ``confirm_abs_ms`` AND ≥ ``confirm_rel × cur``
-  AND above the same noise term, is taken once it has held without a break for
-  ``confirm_s`` seconds (and the hold allows). The large margins are hysteresis
+  AND above the same noise term, is taken when it has lasted ``confirm_s`` seconds
+  (and the hold allows): counted from the first time it cleared those margins, for
+  as long as the installed path is not the best one again. The large margins are hysteresis
   against noise; a small gain that lasts is not noise, and leaving it out forever
   would keep paths 5–10 % slower than the optimum installed.
 * **Repaired**: mixing kept and switched entries can create forwarding loops
@@ -138,7 +139,7 @@ class Installed:
     """What is installed now: next hops ([n,n], as in RouteTables) and when each changed (s).
 
     ``better_since`` is when a smaller gain (the ``confirm_*`` margins) started beating
-    each entry without a break, NaN where it does not; None is all NaN.
+    each entry, NaN where the installed path is the best; None is all NaN.
     """
 
     next_hop: IntArray
@@ -332,7 +333,14 @@ def decide(
         prev = np.full((n, n), np.nan)
     elif symmetric:
         prev = np.fmin(prev, prev.T)  # a pair's earliest, as its two entries move together
-    better_since = np.where(small, np.where(np.isnan(prev), float(now), prev), np.nan)
+    # The count starts when a small gain clears the margins and the noise term, and runs
+    # on while the installed path is not the best: an estimate's gain wobbling around
+    # the noise term does not restart it, while equal paths (where the installed one is
+    # often the best again) never get near confirm_s.
+    still = diff & ~broken & np.isfinite(new) & (gain > 0)
+    better_since = np.where(
+        still, np.where(np.isnan(prev), np.where(small, float(now), np.nan), prev), np.nan
+    )
     confirmed = small & (now - better_since >= config.confirm_s)
     better = large | confirmed
     failed: BoolArray = diff & broken

@@ -152,6 +152,19 @@ def test_small_gain_that_lapses_starts_counting_again() -> None:
     assert d.improved[0, 2]
 
 
+def test_a_gain_wobbling_around_the_noise_term_keeps_counting() -> None:
+    cost = triangle(20, 8, 8)  # 2 ms
+    calm, noisy = np.full((3, 3), 0.1), np.full((3, 3), 0.5)  # 3σ: 0.5 ms, 2.6 ms
+    prev = installed_direct()
+    for now in range(100, 135, 5):  # clears the noise term only every other time
+        d = step(prev, cost, now=float(now), noise=calm if now % 10 == 0 else noisy)
+        prev = d.installed
+        if now < 130:
+            assert not d.changed.any(), now
+            assert prev.better_since is not None and prev.better_since[0, 2] == 100.0
+    assert prev.next_hop[0, 2] == 1  # at 130 s, a calm evaluation: taken
+
+
 def test_tiny_or_noisy_gain_is_never_taken() -> None:
     tiny = triangle(20, 8.8, 8.8)  # relay 19.6: 0.4 ms < confirm_abs_ms
     noisy = triangle(20, 8, 8)  # 2 ms, within 3σ of noise 1 ms per link (3·sqrt(3) ≈ 5.2)
