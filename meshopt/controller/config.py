@@ -22,8 +22,8 @@ class PolicySettings:
     rel_margin: float = 0.10
     noise_sigmas: float = 3.0
     hold_s: float = 30.0
-    confirm_abs_ms: float = 1.0
-    confirm_rel: float = 0.03
+    confirm_abs_ms: float = 0.5
+    confirm_rel: float = 0.02
     confirm_s: float = 30.0
 
     def policy(self) -> PolicyConfig:
