@@ -17,14 +17,8 @@ NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
-class PolicySettings:
-    abs_margin_ms: float = 3.0
-    rel_margin: float = 0.10
-    noise_sigmas: float = 3.0
-    hold_s: float = 30.0
-    confirm_abs_ms: float = 0.5
-    confirm_rel: float = 0.02
-    confirm_s: float = 30.0
+class PolicySettings(PolicyConfig):
+    """The ``[policy]`` table: PolicyConfig's fields, defaults and checks."""
 
     def policy(self) -> PolicyConfig:
         return PolicyConfig(**asdict(self))

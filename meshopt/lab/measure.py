@@ -75,6 +75,7 @@ def route_quality(
         a, b = pair
         info = path_info(best, a, b)
         rtts = mesh.ping(a, b, count=count, interval=0.05)
+        path = mesh.path_from(hops, a, b)
         return PairQuality(
             src=a,
             dst=b,
@@ -82,8 +83,8 @@ def route_quality(
             optimum_ms=info.rtt_ms,
             optimum_path=[info.src, *(h.dst for h in info.hops)],
             achieved_ms=statistics.median(rtts) if rtts else None,
-            path=mesh.path_from(hops, a, b),
-            policy_optimal=near_optimum(best, mesh.path_from(hops, a, b), abs_margin_ms),
+            path=path,
+            policy_optimal=near_optimum(best, path, abs_margin_ms),
         )
 
     with ThreadPoolExecutor(max_workers=3) as pool:
