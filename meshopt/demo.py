@@ -143,9 +143,12 @@ def run_demo(
     layout: Literal["single", "per-peer"] = "single",
     progress: Progress = lambda _: None,
     converge_timeout: float = 90.0,
+    insecure_broker: bool = False,
 ) -> DemoReport:
     started = time.monotonic()
-    lab = Lab.up(topology, name=name, layout=layout, progress=progress)
+    lab = Lab.up(
+        topology, name=name, layout=layout, progress=progress, insecure_broker=insecure_broker
+    )
     mesh = LiveMesh(lab)
     try:
         progress(f"starting the controller and {len(mesh.nodes)} agents")

@@ -28,7 +28,7 @@ import aiomqtt
 import msgspec
 import numpy as np
 
-from meshopt.bus.client import DEFAULT_PORT, BrokerAddress
+from meshopt.bus.client import BrokerLike, BrokerSettings, client_kwargs, parse_broker
 from meshopt.bus.messages import (
     AgentStatus,
     BusMessageError,
@@ -38,11 +38,10 @@ from meshopt.bus.messages import (
     Telemetry,
     decode_lease,
     decode_route_set,
-    decode_signed_route_set,
     decode_status,
     decode_telemetry,
 )
-from meshopt.bus.signing import PublicKeyLike, verify_route_set
+from meshopt.bus.signing import PublicKeyLike, unsigned_payload, verify_route_set
 from meshopt.bus.topics import ROOT, Topics, is_valid_name
 from meshopt.errors import MeshoptError
 from meshopt.topology.model import FloatMatrix, Node, Topology
@@ -376,7 +375,7 @@ def assemble(
         kind, name = parsed
         try:
             if kind == "telemetry":
-                t = decode_telemetry(payload)
+                t = decode_telemetry(unsigned_payload(payload, "telemetry"))
                 _check_sender(t.mesh, t.node, mesh, name)
                 if not t.full:
                     partial.append(t)
@@ -385,7 +384,7 @@ def assemble(
                 if old is None or (t.sent_at, t.seq) >= (old.sent_at, old.seq):
                     view.telemetry[name] = t
             elif kind == "status":
-                s = decode_status(payload)
+                s = decode_status(unsigned_payload(payload, "status"))
                 _check_sender(s.mesh, s.node, mesh, name)
                 view.status[name] = s
             elif kind == "routes":
@@ -393,7 +392,7 @@ def assemble(
                     rs = verify_route_set(payload, trusted_keys, mesh=mesh, node=name)
                     verified: bool | None = True
                 else:
-                    rs = decode_route_set(decode_signed_route_set(payload).payload)
+                    rs = decode_route_set(unsigned_payload(payload, "routes"))
                     _check_sender(rs.mesh, rs.node, mesh, name)
                     verified = None
                 old_rs = view.route_sets.get(name)
@@ -401,7 +400,7 @@ def assemble(
                     view.route_sets[name] = rs
                     view.verified[name] = verified
             elif kind == "lease":
-                lease = decode_lease(payload)
+                lease = decode_lease(unsigned_payload(payload, "lease"))
                 if view.lease is None or lease.term >= view.lease.term:
                     view.lease = lease
         except BusMessageError as exc:
@@ -429,7 +428,7 @@ def _check_sender(msg_mesh: str, msg_node: str, mesh: str, node: str) -> None:
 
 
 async def read_bus(
-    broker: BrokerAddress,
+    broker: BrokerLike,
     topic_filter: str,
     *,
     quiet_s: float = QUIET_S,
@@ -438,14 +437,11 @@ async def read_bus(
     """The messages under ``topic_filter``: the retained ones, and whatever else arrives
     until ``quiet_s`` pass without a retained message (or ``timeout_s`` in all).
 
+    ``broker``: a url, an address or BrokerSettings (TLS, user name and password file).
     Raises LiveError when the broker cannot be reached.
     """
     client = aiomqtt.Client(
-        broker.host,
-        broker.port if broker.transport == "tcp" else DEFAULT_PORT,
-        transport=broker.transport,
-        username=broker.username,
-        password=broker.password,
+        **client_kwargs(broker),
         identifier=f"meshopt-inspect-{os.getpid()}-{os.urandom(3).hex()}",
         timeout=timeout_s,
     )
@@ -471,12 +467,17 @@ async def read_bus(
                 if msg.retain:
                     last_retained = loop.time()
     except (aiomqtt.MqttError, OSError) as exc:
-        raise LiveError(f"cannot read the broker {broker}: {exc}") from None
+        raise LiveError(f"cannot read the broker {_shown(broker)}: {exc}") from None
     return out
 
 
+def _shown(broker: BrokerLike) -> str:
+    """The broker's address for messages, never its credentials."""
+    return str(parse_broker(broker.url if isinstance(broker, BrokerSettings) else str(broker)))
+
+
 def read_view(
-    broker: BrokerAddress,
+    broker: BrokerLike,
     mesh: str | None,
     *,
     trusted_keys: Sequence[PublicKeyLike] = (),
@@ -491,20 +492,24 @@ def read_view(
     skipped message's line first, so the reason for an empty view is visible.
     """
     topic_filter = f"{ROOT}/+/#" if mesh is None else f"{Topics(mesh).prefix}/#"
+    shown = _shown(broker)
     messages = asyncio.run(read_bus(broker, topic_filter, quiet_s=quiet_s, timeout_s=timeout_s))
     if mesh is None:
         seen = meshes_seen(messages)
         if not seen:
-            raise LiveError(f"no meshopt mesh seen on {broker} — is a controller running?")
+            hint = ""
+            if isinstance(broker, BrokerSettings) and (broker.username or broker.password_file):
+                hint = " (an ACL may hide other meshes' topics: name the mesh with --mesh)"
+            raise LiveError(f"no meshopt mesh seen on {shown} — is a controller running?{hint}")
         if len(seen) > 1:
-            raise LiveError(f"several meshes on {broker} ({', '.join(seen)}): pick one with --mesh")
+            raise LiveError(f"several meshes on {shown} ({', '.join(seen)}): pick one with --mesh")
         mesh = seen[0]
-    view = assemble(mesh, messages, trusted_keys=trusted_keys, broker=str(broker))
+    view = assemble(mesh, messages, trusted_keys=trusted_keys, broker=shown)
     if warn is not None:
         for line in view.warnings:
             warn(line)
     if not view.route_sets:
-        raise LiveError(f"no route sets for mesh {mesh} on {broker} — is a controller running?")
+        raise LiveError(f"no route sets for mesh {mesh} on {shown} — is a controller running?")
     return view
 
 

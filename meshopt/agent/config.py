@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from meshopt.bus.client import (
+    BrokerSettings,
+    check_broker_settings,
+    fold_broker_shorthand,
+    with_default_username,
+)
 from meshopt.configfile import build, read_toml
 from meshopt.errors import InputError
 
@@ -92,8 +98,11 @@ class AgentConfig:
     wireguard: str = "auto"
     wireguard_run_dir: str = "/var/run/wireguard"
     mesh_prefixes: tuple[str, ...] = ()
-    broker: str = "mqtt://127.0.0.1:1883"
+    broker: BrokerSettings = field(default_factory=BrokerSettings)  # [broker], or a url
     controller_keys: tuple[str, ...] = ()
+    # This node's Ed25519 identity (meshopt agent keygen): signs its telemetry and status.
+    identity_key: str = "/etc/meshopt/agent.key"
+    max_skew_s: float = 30.0  # how far the controller's clock may run ahead of ours
     state_dir: str = "/var/lib/meshopt"
     peer_poll_s: float = 2.0
     probe: ProbeSettings = field(default_factory=ProbeSettings)
@@ -105,6 +114,7 @@ class AgentConfig:
 
 
 _SECTIONS: dict[str, type[Any]] = {
+    "broker": BrokerSettings,
     "probe": ProbeSettings,
     "bandwidth": BandwidthSettings,
     "telemetry": TelemetrySettings,
@@ -127,7 +137,9 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> AgentConfig
         if key not in agent:
             raise InputError(f'[agent] needs {key} = "..."', source=source)
     try:
+        fold_broker_shorthand(agent, rest, "agent")
         cfg: AgentConfig = build(AgentConfig, {**agent, **rest}, sections=_SECTIONS)
+        cfg = replace(cfg, broker=with_default_username(cfg.broker, cfg.node))
         check_config(cfg)
     except InputError as exc:
         raise InputError(exc.message, source=source) from None
@@ -174,12 +186,7 @@ def check_config(cfg: AgentConfig) -> None:
     if r.fast_table == r.bulk_table:
         raise InputError("routes.fast_table and routes.bulk_table must differ")
     bulk_classifier(cfg)  # raises InputError naming the bad entry
-    from meshopt.bus.client import parse_broker
-
-    try:
-        parse_broker(cfg.broker)
-    except InputError as exc:
-        raise InputError(f"broker: {exc}") from None
+    check_broker_settings(cfg.broker)  # reads the TLS and password files: --check sees them
     if cfg.telemetry.full_interval_s < cfg.telemetry.check_interval_s:
         raise InputError("telemetry.full_interval_s must be >= telemetry.check_interval_s")
 

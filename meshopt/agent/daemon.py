@@ -8,7 +8,8 @@ Loops, all in one event loop:
   triggers an immediate re-plan, which is the local fail-over;
 * **telemetry**: publish on significant change, and a full snapshot periodically;
 * **bandwidth**: a few short packet trains per peer, rarely;
-* **bus**: receive this node's signed route set, verify, refuse replays, re-plan;
+* **bus**: receive this node's signed route set; the pure core (meshopt.agent.core)
+  verifies it, refuses replays and old terms, and signs what the agent publishes;
 * **apply**: one task that turns (route set, peers, liveness) into routes (pyroute2)
   and AllowedIPs (UAPI or netlink), serialised so two plans never interleave.
 
@@ -31,22 +32,16 @@ from typing import TYPE_CHECKING
 from pyroute2.netlink.exceptions import NetlinkError
 
 from meshopt.agent.config import AgentConfig, bulk_classifier
+from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.netstate import NetState, set_sysctl
 from meshopt.agent.peers import PeerTracker
 from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
 from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
-from meshopt.agent.telemetry import Capacity, peer_report, significant, telemetry
+from meshopt.agent.telemetry import Capacity, peer_report, significant
 from meshopt.bus.client import BusClient
-from meshopt.bus.messages import (
-    AgentStatus,
-    BusMessageError,
-    Counters,
-    PeerReport,
-    RouteSet,
-    encode,
-)
-from meshopt.bus.signing import load_public_key, verify_route_set
+from meshopt.bus.messages import Counters, PeerReport, RouteSet
+from meshopt.bus.signing import load_private_key, load_public_key
 from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
@@ -106,7 +101,16 @@ class Agent:
         self.trusted = [load_public_key(k) for k in cfg.controller_keys]
         self.state_path = Path(cfg.state_dir) / f"agent-{cfg.mesh}-{cfg.node}.json"
         self.state: AgentState = load_state(self.state_path)
-        self.route_set: RouteSet | None = None
+        self.core = AgentCore(
+            cfg.mesh,
+            cfg.node,
+            load_private_key(cfg.identity_key),
+            self.trusted,
+            RouteState(self.state.route_version, self.state.route_term),
+            wall(),
+            max_skew_s=cfg.max_skew_s,
+            counters=self.counters,
+        )
         self.prober = Prober(
             ProbeConfig(
                 interval_s=cfg.probe.interval_s,
@@ -124,7 +128,6 @@ class Agent:
         self.transfer: TransferServer | None = None
         self.addresses: list[str] = []
         self.interfaces: list[str] = []
-        self.seq = 0
         self.last_published: dict[str, PeerReport] = {}
         self.last_full = -1e18
         self.installed_routes = 0
@@ -136,10 +139,14 @@ class Agent:
         self.bus = BusClient(
             cfg.broker,
             client_id=f"meshopt-agent-{cfg.mesh}-{cfg.node}",
-            will=(self.topics.status(cfg.node), self._status(False, "agent lost"), True),
+            will=lambda: self.core.new_session(self.wall()),
             subscriptions=[self.topics.routes(cfg.node)],
         )
         self.bus.on_connect = self._on_connect
+
+    @property
+    def route_set(self) -> RouteSet | None:
+        return self.core.route_set
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -209,7 +216,7 @@ class Agent:
         with contextlib.suppress(Exception):
             await self.bus.publish(
                 self.topics.status(self.cfg.node),
-                self._status(False, "stopped"),
+                self.core.offline(self.wall(), "stopped"),
                 retain=True,
                 qos=1,
             )
@@ -392,20 +399,9 @@ class Agent:
 
     # --- bus --------------------------------------------------------------------------
 
-    def _status(self, online: bool, reason: str = "") -> bytes:
-        return encode(
-            AgentStatus(
-                mesh=self.cfg.mesh,
-                node=self.cfg.node,
-                online=online,
-                since=self.wall(),
-                reason=reason,
-            )
-        )
-
     async def _on_connect(self) -> None:
         await self.bus.publish(
-            self.topics.status(self.cfg.node), self._status(True), retain=True, qos=1
+            self.topics.status(self.cfg.node), self.core.online(self.wall()), retain=True, qos=1
         )
         self.last_full = -1e18  # a fresh full snapshot for whoever listens now
 
@@ -414,23 +410,11 @@ class Agent:
             return
         if not payload:
             return  # a cleared retained message
-        try:
-            rs = verify_route_set(payload, self.trusted, mesh=self.cfg.mesh, node=self.cfg.node)
-        except BusMessageError as exc:
-            self.counters.count(f"routeset_{exc.reason}", str(exc))
+        accepted = self.core.on_route_set(payload, self.wall())
+        if accepted is None:
             return
-        installed = self.state.route_version
-        if rs.version < installed or (rs.version == installed and self.route_set is not None):
-            self.counters.count("routeset_replay", f"version {rs.version} <= {installed}")
-            return
-        if rs.term < self.state.route_term:
-            # A deposed controller that has not noticed yet: a newer term has spoken.
-            self.counters.count(
-                "routeset_old_term", f"{rs.controller} term {rs.term} < {self.state.route_term}"
-            )
-            return
-        self.route_set = rs
-        if rs.version != installed or rs.term != self.state.route_term:
+        rs = accepted.route_set
+        if accepted.save:
             self.state.route_version = rs.version
             self.state.route_term = rs.term
             save_state(self.state_path, self.state)
@@ -462,7 +446,6 @@ class Agent:
             full = now - self.last_full >= cfg.full_interval_s
             if not full and not significant(self.last_published, reports, cfg):
                 continue
-            self.seq += 1
             counters = self.counters.snapshot()
             counters["bandwidth_bytes"] = self.bandwidth_bytes
             for k, v in self.prober.counters.items():
@@ -474,13 +457,10 @@ class Agent:
             if timer.count:
                 counters["probe_timer_error_median_us"] = round(timer.median_us() or 0)
                 counters["probe_timer_error_p95_us"] = round(timer.p95_us() or 0)
-            msg = telemetry(
-                mesh=self.cfg.mesh,
-                node=self.cfg.node,
+            msg = self.core.telemetry(
+                self.wall(),
                 public_keys=[self.tracker.own_keys[i] for i in sorted(self.tracker.own_keys)],
                 addresses=self.addresses,
-                seq=self.seq,
-                sent_at=self.wall(),
                 full=full,
                 peers=list(reports.values()),
                 counters=counters,
@@ -488,7 +468,7 @@ class Agent:
             # Full snapshots are retained: a controller or `meshopt routes` that starts
             # later gets every node's latest picture at once.
             if await self.bus.publish(
-                self.topics.telemetry(self.cfg.node), encode(msg), retain=full
+                self.topics.telemetry(self.cfg.node), msg, retain=full
             ):
                 self.last_published = reports
                 if full:

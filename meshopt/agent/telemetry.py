@@ -99,6 +99,7 @@ def telemetry(
     full: bool,
     peers: Sequence[PeerReport],
     counters: Mapping[str, int],
+    session: int = 0,
 ) -> Telemetry:
     return Telemetry(
         mesh=mesh,
@@ -107,6 +108,7 @@ def telemetry(
         public_keys=list(public_keys),
         addresses=list(addresses),
         seq=seq,
+        session=session,
         sent_at=sent_at,
         full=full,
         peers=list(peers),

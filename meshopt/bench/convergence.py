@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from meshopt.bus.messages import decode_lease
+from meshopt.bus.signing import unsigned_payload
 from meshopt.demo import busiest_relay, pick_degradation
 from meshopt.lab.lab import Lab
 from meshopt.lab.measure import (
@@ -70,11 +71,11 @@ def read_lease(lab: Lab) -> tuple[str, float] | None:
     import subprocess
 
     topic = f"meshopt/{lab.plan.name}/controller/lease"
-    argv = ["mosquitto_sub", "--unix", str(lab.broker_socket), "-t", topic, "-C", "1", "-W", "3"]
+    argv = ["mosquitto_sub", *lab.mosquitto_cli_args(), "-t", topic, "-C", "1", "-W", "3"]
     out = subprocess.run(argv, capture_output=True, timeout=10).stdout.strip()
     if not out:
         return None
-    lease = decode_lease(out)
+    lease = decode_lease(unsigned_payload(out, "lease"))
     return lease.controller, lease.expires_at
 
 
@@ -84,11 +85,11 @@ def controller_role(lab: Lab, cid: str) -> str | None:
     from meshopt.bus.messages import decode_controller_status
 
     topic = f"meshopt/{lab.plan.name}/controller/status/{cid}"
-    argv = ["mosquitto_sub", "--unix", str(lab.broker_socket), "-t", topic, "-C", "1", "-W", "3"]
+    argv = ["mosquitto_sub", *lab.mosquitto_cli_args(), "-t", topic, "-C", "1", "-W", "3"]
     out = subprocess.run(argv, capture_output=True, timeout=10).stdout.strip()
     if not out:
         return None
-    st = decode_controller_status(out)
+    st = decode_controller_status(unsigned_payload(out, "controller_status"))
     return st.role if st.online else "offline"
 
 

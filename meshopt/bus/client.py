@@ -27,18 +27,33 @@ within 1 s) cover that case faster; the will is the cheap, certain signal.
 A clean stop (cancelling ``run``) sends a normal DISCONNECT, on which the broker drops
 the will; so the will message is published explicitly first, and a stopped agent reads
 as offline just like a dead one.
+
+Security (:class:`BrokerSettings`): ``mqtts://`` is TLS (port 8883 by default) with the
+broker's CA (``ca_file``; the system's CAs when empty), an optional client certificate
+and key, and a user name with a password read from ``password_file`` (its first line).
+:func:`check_broker_settings` refuses, in one line each, what would otherwise only show
+up as a connection that keeps failing: missing or unreadable files, a file that is not a
+PEM certificate or key, a key that does not belong to the certificate, an empty password
+file, TLS files for a plain ``mqtt://`` url. :func:`client_kwargs` turns settings into
+aiomqtt ``Client`` arguments; files are read again at every connect, so a renewed
+certificate or password is picked up at the next reconnect without a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import ipaddress
 import logging
+import os
 import random
 import re
+import ssl
+import stat
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Final, Literal
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Final, Literal
 from urllib.parse import unquote, urlsplit
 
 import aiomqtt
@@ -49,6 +64,8 @@ from meshopt.errors import InputError
 log = logging.getLogger("meshopt.bus")
 
 DEFAULT_PORT: Final = 1883
+DEFAULT_TLS_PORT: Final = 8883
+DEFAULT_URL: Final = "mqtt://127.0.0.1:1883"
 DEFAULT_KEEPALIVE_S: Final = 4
 MAX_QUEUED_INCOMING: Final = 10_000
 
@@ -63,26 +80,30 @@ _UNIX_PATH_MAX: Final = 107  # sun_path is 108 bytes with the terminating NUL
 
 @dataclass(frozen=True)
 class BrokerAddress:
-    """Where the broker is: TCP ``host:port`` or a unix socket ``path``."""
+    """Where the broker is: TCP ``host:port`` (``tls``: mqtts://) or a unix socket ``path``."""
 
     transport: Literal["tcp", "unix"]
     host: str  # hostname or IP for tcp, socket path for unix
     port: int = DEFAULT_PORT
     username: str | None = None
     password: str | None = None
+    tls: bool = False
 
     def __str__(self) -> str:
         """The address without credentials, for logs."""
         if self.transport == "unix":
             return f"unix://{self.host}"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"mqtt://{host}:{self.port}"
+        return f"{'mqtts' if self.tls else 'mqtt'}://{host}:{self.port}"
 
 
 def parse_broker(url: str) -> BrokerAddress:
-    """``mqtt://[user:pass@]host[:port]``, ``host[:port]``, ``unix:///path``; else InputError."""
+    """``mqtt[s]://[user:pass@]host[:port]``, ``host[:port]``, ``unix:///path``; else InputError.
+
+    ``mqtts://`` is TLS, on port 8883 unless given.
+    """
     if not isinstance(url, str) or not url.strip():
-        raise InputError("empty broker address (want mqtt://host:port or unix:///path)")
+        raise InputError("empty broker address (want mqtt[s]://host:port or unix:///path)")
     text = url.strip()
     shown = text if "@" not in text else "…@" + text.rsplit("@", 1)[1]
     if text.startswith("unix://"):
@@ -91,10 +112,13 @@ def parse_broker(url: str) -> BrokerAddress:
             raise InputError(f"bad broker socket {shown!r}: want unix:///absolute/path")
         return BrokerAddress("unix", path, 0)
     scheme, sep, rest = text.partition("://")
+    tls = sep != "" and scheme.lower() == "mqtts"
     if not sep:
         rest = text
-    elif scheme.lower() not in ("mqtt", "tcp"):
-        raise InputError(f"bad broker address {shown!r}: scheme must be mqtt:// or unix://")
+    elif scheme.lower() not in ("mqtt", "tcp", "mqtts"):
+        raise InputError(
+            f"bad broker address {shown!r}: scheme must be mqtt://, mqtts:// or unix://"
+        )
     try:
         parts = urlsplit("//" + rest)
         port = parts.port
@@ -102,7 +126,7 @@ def parse_broker(url: str) -> BrokerAddress:
         raise InputError(f"bad broker address {shown!r}: bad port") from None
     host = parts.hostname
     if parts.path not in ("", "/") or parts.query or parts.fragment or not host:
-        raise InputError(f"bad broker address {shown!r}: want mqtt://host:port")
+        raise InputError(f"bad broker address {shown!r}: want mqtt[s]://host:port")
     try:
         ipaddress.ip_address(host)
     except ValueError:
@@ -112,7 +136,243 @@ def parse_broker(url: str) -> BrokerAddress:
         raise InputError(f"bad broker address {shown!r}: port 0")
     user = unquote(parts.username) if parts.username is not None else None
     password = unquote(parts.password) if parts.password is not None else None
-    return BrokerAddress("tcp", host, port or DEFAULT_PORT, user, password)
+    default_port = DEFAULT_TLS_PORT if tls else DEFAULT_PORT
+    return BrokerAddress("tcp", host, port or default_port, user, password, tls)
+
+
+# --- security settings ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """How a daemon or tool reaches the broker: the ``[broker]`` table of a config file.
+
+    Every field is a string, "" meaning unset (the TOML loader types fields by their
+    defaults). ``ca_file`` empty with an ``mqtts://`` url trusts the system's CAs.
+    ``username``/``password_file`` win over credentials in the url (still accepted, but
+    a password in a config file's url is readable by whoever reads the config).
+    """
+
+    url: str = DEFAULT_URL
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    username: str = ""
+    password_file: str = ""
+
+
+BrokerLike = str | BrokerAddress | BrokerSettings
+
+
+def _key(where: str, name: str) -> str:
+    """How a setting is named in messages: ``broker.ca_file`` in a config file, or
+    ``--ca-file`` on a command line (``where="--"``; the url is ``--broker`` there)."""
+    if where == "--":
+        return "--broker" if name == "url" else "--" + name.replace("_", "-")
+    return where + name
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{what} {path}: no such file") from None
+    except OSError as exc:
+        raise InputError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+
+
+def read_password(path: str, what: str = "broker.password_file") -> str:
+    """The first line of ``path`` (without its newline); InputError when missing or empty."""
+    data = _read(path, what)
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        raise InputError(f"{what} {path}: not UTF-8 text") from None
+    lines = text.splitlines()
+    password = lines[0] if lines else ""
+    if not password:
+        raise InputError(f"{what} {path}: empty (the password is its first line)")
+    return password
+
+
+def _certificates(path: str, what: str) -> list[Any]:
+    from cryptography import x509
+
+    data = _read(path, what)
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError:
+        certs = []
+    if not certs:
+        raise InputError(f"{what} {path}: not a PEM certificate")
+    return certs
+
+
+def _check_validity(cert: Any, path: str, what: str) -> None:
+    now = dt.datetime.now(dt.UTC)
+    if cert.not_valid_after_utc < now:
+        raise InputError(f"{what} {path}: expired on {cert.not_valid_after_utc:%Y-%m-%d}")
+    if cert.not_valid_before_utc > now + dt.timedelta(minutes=5):
+        raise InputError(
+            f"{what} {path}: not valid before {cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC"
+        )
+
+
+def _check_key_pair(settings: BrokerSettings, where: str) -> None:
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
+
+    cert_what, key_what = _key(where, "cert_file"), _key(where, "key_file")
+    cert = _certificates(settings.cert_file, cert_what)[0]
+    _check_validity(cert, settings.cert_file, cert_what)
+    data = _read(settings.key_file, key_what)
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except TypeError:
+        raise InputError(
+            f"{key_what} {settings.key_file}: encrypted; use an unencrypted key (mode 0600)"
+        ) from None
+    except (ValueError, UnsupportedAlgorithm):
+        raise InputError(f"{key_what} {settings.key_file}: not a PEM private key") from None
+    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        raise InputError(
+            f"{key_what} {settings.key_file}: not the key of {cert_what} {settings.cert_file}"
+        )
+
+
+def check_broker_settings(settings: BrokerSettings, *, where: str = "broker.") -> BrokerAddress:
+    """Check ``settings`` completely (files read and parsed); InputError in one line.
+
+    Returns the address with the resolved credentials. A password file readable by
+    group or others is only warned about (logged): it works, but should be 0600.
+    ``where`` prefixes the key names in messages: "broker." for a config's table, "--"
+    for command-line options.
+    """
+    try:
+        address = parse_broker(settings.url)
+    except InputError as exc:
+        raise InputError(f"{_key(where, 'url')}: {exc.message}") from None
+    files = [("ca_file", settings.ca_file), ("cert_file", settings.cert_file)]
+    files.append(("key_file", settings.key_file))
+    if not address.tls:
+        given = [name for name, value in files if value]
+        if given:
+            raise InputError(
+                f"{_key(where, given[0])} is set but {_key(where, 'url')} {address} "
+                "is not mqtts:// (TLS)"
+            )
+    if bool(settings.cert_file) != bool(settings.key_file):
+        have, want = ("cert_file", "key_file") if settings.cert_file else ("key_file", "cert_file")
+        raise InputError(f"{_key(where, have)} needs {_key(where, want)} too")
+    if settings.ca_file:
+        for cert in _certificates(settings.ca_file, _key(where, "ca_file")):
+            _check_validity(cert, settings.ca_file, _key(where, "ca_file"))
+    if settings.cert_file:
+        _check_key_pair(settings, where)
+    if settings.username and not is_valid_username(settings.username):
+        raise InputError(
+            f"{_key(where, 'username')} {settings.username!r}: want 1-256 printable, no ':'"
+        )
+    resolved = resolve_broker(settings, where=where)
+    if settings.password_file:
+        mode = os.stat(settings.password_file).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning(
+                "%spassword_file %s is readable by group or others (mode %o): chmod 600 it",
+                where,
+                settings.password_file,
+                stat.S_IMODE(mode),
+            )
+    if settings.password_file and not resolved.username:
+        raise InputError(
+            f"{_key(where, 'password_file')} needs a user name ({_key(where, 'username')})"
+        )
+    if address.tls:
+        tls_context(settings, where=where)  # what OpenSSL itself makes of the files
+    return resolved
+
+
+def fold_broker_shorthand(top: dict[str, Any], rest: dict[str, Any], table: str) -> None:
+    """Config files: ``[agent] broker = "url"`` (the old form) means ``[broker] url``.
+
+    Moves it into ``rest["broker"]`` in place; giving both forms is an error.
+    """
+    if "broker" not in top:
+        return
+    url = top.pop("broker")
+    if "broker" in rest:
+        raise InputError(f"give the broker as [{table}] broker or as a [broker] table, not both")
+    if not isinstance(url, str):
+        raise InputError(f"broker must be a url string (or a [broker] table), got {url!r}")
+    rest["broker"] = {"url": url}
+
+
+def with_default_username(settings: BrokerSettings, name: str) -> BrokerSettings:
+    """A password file and no user name (in the settings or the url): log in as ``name``
+    (the node name or controller id: what ``meshopt broker init`` made the user)."""
+    if not settings.password_file or settings.username:
+        return settings
+    try:
+        if parse_broker(settings.url).username:
+            return settings
+    except InputError:
+        return settings  # the check reports the url
+    return replace(settings, username=name)
+
+
+def is_valid_username(name: str) -> bool:
+    """MQTT allows any UTF-8; mosquitto's password file cannot hold ':' or newlines."""
+    return 0 < len(name) <= 256 and name.isprintable() and ":" not in name
+
+
+def resolve_broker(settings: BrokerSettings, *, where: str = "broker.") -> BrokerAddress:
+    """The url's address with the settings' user name and password (file) applied."""
+    try:
+        address = parse_broker(settings.url)
+    except InputError as exc:
+        raise InputError(f"{_key(where, 'url')}: {exc.message}") from None
+    username = settings.username or address.username
+    password = address.password
+    if settings.password_file:
+        password = read_password(settings.password_file, _key(where, "password_file"))
+    return replace(address, username=username or None, password=password)
+
+
+def tls_context(settings: BrokerSettings, *, where: str = "broker.") -> ssl.SSLContext:
+    """A client context: verify the broker (its name too) against ``ca_file`` or the
+    system's CAs; present ``cert_file``/``key_file`` when given; TLS 1.2 at least."""
+    try:
+        ctx = ssl.create_default_context(cafile=settings.ca_file or None)
+    except (ssl.SSLError, OSError) as exc:
+        raise InputError(f"{_key(where, 'ca_file')} {settings.ca_file}: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if settings.cert_file:
+        try:
+            ctx.load_cert_chain(settings.cert_file, settings.key_file or None)
+        except (ssl.SSLError, OSError) as exc:
+            raise InputError(f"{_key(where, 'cert_file')} {settings.cert_file}: {exc}") from None
+    return ctx
+
+
+def client_kwargs(broker: BrokerLike) -> dict[str, Any]:
+    """aiomqtt ``Client`` connection arguments: hostname, port, transport, username,
+    password, tls_context. Reads the password and TLS files now (call per connect)."""
+    if isinstance(broker, BrokerSettings):
+        address = resolve_broker(broker)
+        ctx = tls_context(broker) if address.tls else None
+    else:
+        address = broker if isinstance(broker, BrokerAddress) else parse_broker(broker)
+        ctx = tls_context(BrokerSettings(url=str(address))) if address.tls else None
+    return {
+        "hostname": address.host,
+        # paho ignores the port for a unix socket
+        "port": address.port if address.transport == "tcp" else DEFAULT_PORT,
+        "transport": address.transport,
+        "username": address.username,
+        "password": address.password,
+        "tls_context": ctx,
+    }
 
 
 class BusClient:
@@ -120,7 +380,7 @@ class BusClient:
 
     def __init__(
         self,
-        broker: str | BrokerAddress,
+        broker: BrokerLike,
         *,
         client_id: str,
         will: WillSpec | Callable[[], WillSpec] | None = None,
@@ -136,9 +396,15 @@ class BusClient:
         """``client_id`` must be unique on the broker (it drops the older of two).
 
         ``will`` may be a callable, called at every connect, so a will's payload (e.g. an
-        AgentStatus with ``since``) is fresh for each connection.
+        AgentStatus with ``since``) is fresh for each connection. ``broker`` settings are
+        checked now (InputError for a bad file), and their files read again per connect.
         """
-        self.broker = broker if isinstance(broker, BrokerAddress) else parse_broker(broker)
+        if isinstance(broker, BrokerSettings):
+            check_broker_settings(broker)
+            self.broker = parse_broker(broker.url)
+        else:
+            self.broker = broker if isinstance(broker, BrokerAddress) else parse_broker(broker)
+        self._source: BrokerLike = broker
         if not client_id or len(client_id) > 128:
             raise InputError("MQTT client id must have 1-128 characters")
         if not 0 < backoff_min_s <= backoff_max_s:
@@ -197,13 +463,8 @@ class BusClient:
         if spec is not None:
             topic, payload, retain = spec
             will = aiomqtt.Will(topic, payload, qos=1, retain=retain)
-        b = self.broker
         return aiomqtt.Client(
-            b.host,
-            b.port if b.transport == "tcp" else DEFAULT_PORT,  # paho ignores it for unix
-            transport=b.transport,
-            username=b.username,
-            password=b.password,
+            **client_kwargs(self._source),
             identifier=self.client_id,
             will=will,
             keepalive=self.keepalive_s,
@@ -222,6 +483,10 @@ class BusClient:
                 reason = "disconnected" if self.connects > before else "connect_failed"
                 self.counters.count(reason, f"{self.broker}: {exc}")
                 log.debug("%s from %s: %s", reason, self.broker, exc)
+            except InputError as exc:
+                # A password or certificate file gone or broken since the start: say
+                # which, and keep trying (it may be replaced, e.g. by a renewal).
+                self.counters.count("settings_error", f"{self.broker}: {exc}")
             except Exception as exc:
                 # A bug in aiomqtt/paho or here: keep the daemon alive (fail-static),
                 # with the traceback logged once and the backoff keeping it cheap.

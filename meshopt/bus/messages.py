@@ -10,15 +10,21 @@ daemon counts (see :class:`Counters`) instead of crashing.
 
 Messages (topic -> type)::
 
-    telemetry/<node>             Telemetry   {v, mesh, node, public_key, addresses, seq,
-                                              sent_at, full, peers: [PeerReport], counters}
-    status/<node>                AgentStatus {v, mesh, node, online, since, reason}
-    routes/<node>                SignedRouteSet {v, payload, signature, key_id}
-                                   payload = the JSON bytes of a RouteSet {v, mesh, node,
-                                   version, issued_at, controller, term, routes: [Route]}
-    controller/lease             Lease       {v, mesh, controller, term, expires_at,
-                                              issued_at}
-    controller/status/<id>       ControllerStatus {v, controller, online, role, since}
+    telemetry/<node>             Signed("telemetry", Telemetry {v, mesh, node, public_key,
+                                   addresses, seq, session, sent_at, full, peers, counters})
+    status/<node>                Signed("status", AgentStatus {v, mesh, node, online, since,
+                                   seq, reason})
+    routes/<node>                Signed("routes", RouteSet {v, mesh, node, version,
+                                   issued_at, controller, term, routes: [Route]})
+    controller/lease             Signed("lease", Lease {v, mesh, controller, term,
+                                   expires_at, issued_at})
+    controller/status/<id>       Signed("controller_status", ControllerStatus {v,
+                                   controller, online, role, since})
+
+Every message on the bus is a :class:`Signed` envelope ``{v, kind, payload, signature,
+key_id}``: ``payload`` is the exact JSON bytes of the inner message, signed with Ed25519
+(agents by their identity key, controllers by the controller key; see
+meshopt.bus.signing), so a receiver checks who wrote it before it decodes what it says.
 
 PeerReport and Route leave fields at their default out of the JSON (they repeat up to
 4096 times): a signed route set for a 1,000-node mesh, every route with a backup, is
@@ -123,6 +129,9 @@ class Telemetry(msgspec.Struct, kw_only=True, frozen=True):
     public_keys: list[str] = msgspec.field(default_factory=list)
     addresses: list[str] = msgspec.field(default_factory=list)
     seq: int
+    # The seq of the status this agent published when its broker session began; an
+    # offline status (the will) older than the session of the latest telemetry is a replay.
+    session: int = 0
     sent_at: float
     full: bool
     peers: list[PeerReport] = msgspec.field(default_factory=list)
@@ -137,6 +146,8 @@ class AgentStatus(msgspec.Struct, kw_only=True, frozen=True):
     node: str
     online: bool
     since: float
+    # Rises per broker session (the will carries the seq of the session it ends).
+    seq: int = 0
     reason: str = ""
 
 
@@ -168,10 +179,25 @@ class RouteSet(msgspec.Struct, kw_only=True, frozen=True):
     routes: list[Route] = msgspec.field(default_factory=list)
 
 
-class SignedRouteSet(msgspec.Struct, kw_only=True, frozen=True):
-    """A RouteSet's exact JSON bytes and their Ed25519 signature."""
+SignedKind = Literal["telemetry", "status", "routes", "lease", "controller_status"]
+SIGNED_KINDS: Final[tuple[str, ...]] = (
+    "telemetry",
+    "status",
+    "routes",
+    "lease",
+    "controller_status",
+)
+
+
+class Signed(msgspec.Struct, kw_only=True, frozen=True):
+    """An inner message's exact JSON bytes, what kind it is, and their Ed25519 signature.
+
+    The signature covers the kind as well (see meshopt.bus.signing), so a signed status
+    can never be passed off as a lease.
+    """
 
     v: int = SCHEMA_VERSION
+    kind: SignedKind
     payload: bytes
     signature: bytes
     key_id: str
@@ -198,8 +224,8 @@ class ControllerStatus(msgspec.Struct, kw_only=True, frozen=True):
     since: float
 
 
-Message = Telemetry | AgentStatus | RouteSet | SignedRouteSet | Lease | ControllerStatus
-M = TypeVar("M", Telemetry, AgentStatus, RouteSet, SignedRouteSet, Lease, ControllerStatus)
+Message = Telemetry | AgentStatus | RouteSet | Signed | Lease | ControllerStatus
+M = TypeVar("M", Telemetry, AgentStatus, RouteSet, Signed, Lease, ControllerStatus)
 
 
 # -- value checks ----------------------------------------------------------------------
@@ -256,6 +282,15 @@ def _count(items: Sized, field: str, limit: int) -> None:
         raise _bad("bad_value", f"{field}: {n} entries (at most {limit})")
 
 
+# Upper bounds of what a peer report can possibly hold (a finite float is not enough:
+# 1e308 Mbit/s overflows the arithmetic downstream). Possible but unusable values
+# (a 2-minute RTT, a 100-byte PMTU) pass here and are dropped by the controller's view.
+MAX_PEER_DELAY_MS: Final = 600_000.0  # 10 minutes
+MAX_PEER_BANDWIDTH_MBIT: Final = 1e9  # 1 Pbit/s
+MAX_PEER_RATE_BPS: Final = 1e13  # 10 Tbit/s
+MAX_PEER_AGE_S: Final = 10 * 366 * 86400.0  # ten years
+
+
 def _check_peer(p: PeerReport, i: int) -> None:
     f = f"peers[{i}]"
     _key(p.public_key, f + ".public_key")
@@ -263,12 +298,15 @@ def _check_peer(p: PeerReport, i: int) -> None:
         raise _bad("bad_value", f"{f}.ifname must have 1-15 characters")
     _text(p.endpoint, f + ".endpoint", 64)
     for name in ("rtt_ms", "rtt_min_ms", "rtt_median_ms", "rtt_p95_ms", "jitter_ms", "noise_ms"):
-        _num(getattr(p, name), f"{f}.{name}")
+        _num(getattr(p, name), f"{f}.{name}", hi=MAX_PEER_DELAY_MS)
     _num(p.loss, f + ".loss", 0.0, 1.0)
     for name in ("samples", "probes_sent", "rx_bytes", "tx_bytes"):
         _int(getattr(p, name), f"{f}.{name}")
-    for name in ("handshake_age_s", "rx_bps", "tx_bps", "bandwidth_mbit", "bandwidth_age_s"):
-        _num(getattr(p, name), f"{f}.{name}")
+    for name in ("handshake_age_s", "bandwidth_age_s"):
+        _num(getattr(p, name), f"{f}.{name}", hi=MAX_PEER_AGE_S)
+    for name in ("rx_bps", "tx_bps"):
+        _num(getattr(p, name), f"{f}.{name}", hi=MAX_PEER_RATE_BPS)
+    _num(p.bandwidth_mbit, f + ".bandwidth_mbit", hi=MAX_PEER_BANDWIDTH_MBIT)
     _num(p.bandwidth_confidence, f + ".bandwidth_confidence", 0.0, 1.0)
     _int(p.pmtu, f + ".pmtu", 68, 65535)
 
@@ -307,6 +345,7 @@ def validate(msg: Message) -> None:
         for i, a in enumerate(msg.addresses):
             _prefix(a, f"addresses[{i}]")
         _int(msg.seq, "seq")
+        _int(msg.session, "session")
         _num(msg.sent_at, "sent_at")
         _count(msg.peers, "peers", MAX_PEERS)
         for i, p in enumerate(msg.peers):
@@ -319,6 +358,7 @@ def validate(msg: Message) -> None:
         _name(msg.mesh, "mesh")
         _name(msg.node, "node")
         _num(msg.since, "since")
+        _int(msg.seq, "seq")
         _text(msg.reason, "reason")
     elif isinstance(msg, RouteSet):
         _name(msg.mesh, "mesh")
@@ -334,8 +374,9 @@ def validate(msg: Message) -> None:
             if (r.dst, r.table) in seen:
                 raise _bad("bad_value", f"routes[{i}]: second route to {r.dst} ({r.table})")
             seen.add((r.dst, r.table))
-    elif isinstance(msg, SignedRouteSet):
+    elif isinstance(msg, Signed):
         _text(msg.key_id, "key_id", 64)
+        _count(msg.signature, "signature", 64)
     elif isinstance(msg, Lease):
         _name(msg.mesh, "mesh")
         _name(msg.controller, "controller")
@@ -388,6 +429,14 @@ def decode(data: bytes, kind: type[M], *, max_bytes: int = MAX_PAYLOAD_BYTES) ->
     if len(data) > max_bytes:
         raise _bad("too_large", f"{len(data)} bytes (at most {max_bytes})")
     try:
+        return _decode(data, kind)
+    except RecursionError:
+        # msgspec recurses per nesting level: '[' * 100000 must not escape as a crash.
+        raise _bad("bad_json", "nested too deeply") from None
+
+
+def _decode(data: bytes | bytearray | memoryview, kind: type[M]) -> M:
+    try:
         env = _envelope.decode(data)
     except msgspec.ValidationError as exc:
         raise _schema_or_json(data, exc) from None
@@ -420,8 +469,8 @@ def decode_route_set(data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Rout
     return decode(data, RouteSet, max_bytes=max_bytes)
 
 
-def decode_signed_route_set(data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> SignedRouteSet:
-    return decode(data, SignedRouteSet, max_bytes=max_bytes)
+def decode_signed(data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Signed:
+    return decode(data, Signed, max_bytes=max_bytes)
 
 
 def decode_lease(data: bytes, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> Lease:

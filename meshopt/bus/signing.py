@@ -1,9 +1,13 @@
-"""Ed25519 signatures on route sets, and the replay guard agents apply before installing.
+"""Ed25519 signatures on every bus message.
 
-Anyone who can publish on the broker could otherwise steer a mesh's traffic, so an agent
-installs a route set only if it is signed by a configured controller key and newer than
-the one installed. The signature covers the exact JSON bytes of the RouteSet (carried as
-``SignedRouteSet.payload``), never a re-encoding, so both sides agree on what was signed.
+The broker is shared infrastructure, not a trust boundary: anyone who can publish on it
+could otherwise steer a mesh's traffic. So every message is a :class:`Signed` envelope:
+agents sign their telemetry and status with their own identity key (enrolled at the
+controller), controllers sign route sets, leases and their status with the controller
+key (configured at agents and at the other controllers). The signature covers a context
+string, the message kind and the exact JSON bytes of the inner message (carried as
+``Signed.payload``), never a re-encoding, so both sides agree on what was signed and a
+signature made for one kind of message is worthless for another.
 
 Key formats: a public key is base64 of its raw 32 bytes (like a WireGuard key, one TOML
 line); a private key file is PKCS#8 PEM (what ``openssl genpkey -algorithm ed25519``
@@ -16,7 +20,7 @@ import base64
 import binascii
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -25,11 +29,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from meshopt.bus.messages import (
     MAX_PAYLOAD_BYTES,
+    AgentStatus,
     BusMessageError,
+    ControllerStatus,
+    Lease,
+    M,
+    Message,
     RouteSet,
-    SignedRouteSet,
-    decode_route_set,
-    decode_signed_route_set,
+    Signed,
+    SignedKind,
+    Telemetry,
+    decode,
+    decode_signed,
     encode,
 )
 from meshopt.errors import InputError
@@ -38,6 +49,7 @@ SIGNATURE_LEN = 64
 KEY_LEN = 32
 
 PublicKeyLike = Ed25519PublicKey | str
+CONTEXT = b"meshopt-signed-v1\n"
 
 
 def public_key_b64(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
@@ -147,16 +159,114 @@ def key_id(public: PublicKeyLike | Ed25519PrivateKey) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def sign_route_set(rs: RouteSet, key: Ed25519PrivateKey) -> bytes:
-    """The encoded SignedRouteSet of ``rs`` (validated first: nothing invalid is signed)."""
-    payload = encode(rs)
-    signed = SignedRouteSet(payload=payload, signature=key.sign(payload), key_id=key_id(key))
+def _to_sign(kind: str, payload: bytes) -> bytes:
+    return CONTEXT + kind.encode("ascii") + b"\n" + payload
+
+
+def sign(kind: SignedKind, msg: Message, key: Ed25519PrivateKey, kid: str | None = None) -> bytes:
+    """The encoded Signed envelope of ``msg`` (validated first: nothing invalid is signed)."""
+    payload = encode(msg)
+    signed = Signed(
+        kind=kind,
+        payload=payload,
+        signature=key.sign(_to_sign(kind, payload)),
+        key_id=kid or key_id(key),
+    )
     return encode(signed)
+
+
+def sign_route_set(rs: RouteSet, key: Ed25519PrivateKey) -> bytes:
+    return sign("routes", rs, key)
+
+
+class KeyRing:
+    """Trusted public keys by key id, so a verifier hashes each key once, not per message."""
+
+    def __init__(self, keys: Iterable[PublicKeyLike] = ()) -> None:
+        self._by_id: dict[str, list[Ed25519PublicKey]] = {}
+        for k in keys:
+            self.add(k)
+
+    def add(self, key: PublicKeyLike) -> str:
+        public = _as_public(key)
+        kid = key_id(public)
+        same = self._by_id.setdefault(kid, [])
+        if all(p.public_bytes_raw() != public.public_bytes_raw() for p in same):
+            same.append(public)
+        return kid
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_id.values()))
+
+    def __bool__(self) -> bool:
+        return bool(self._by_id)
+
+    def get(self, kid: str) -> list[Ed25519PublicKey]:
+        return self._by_id.get(kid, [])
+
+
+def _ring(trusted: KeyRing | Sequence[PublicKeyLike]) -> KeyRing:
+    return trusted if isinstance(trusted, KeyRing) else KeyRing(trusted)
+
+
+def open_signed(
+    data: bytes,
+    kind: SignedKind,
+    trusted: KeyRing | Sequence[PublicKeyLike],
+    *,
+    max_bytes: int = MAX_PAYLOAD_BYTES,
+) -> bytes:
+    """The payload of a Signed envelope of ``kind`` if a trusted key signed it.
+
+    Reasons: the decoder's (too_large, bad_json, ...), "wrong_kind", "unknown_key" (no
+    trusted key has that key id) and "bad_signature".
+    """
+    signed = decode_signed(data, max_bytes=max_bytes)
+    if signed.kind != kind:
+        raise BusMessageError("wrong_kind", f"a signed {signed.kind} where {kind} belongs")
+    keys = _ring(trusted).get(signed.key_id)
+    if not keys:
+        raise BusMessageError("unknown_key", f"key id {signed.key_id[:20]!r} is not trusted")
+    if len(signed.signature) != SIGNATURE_LEN:
+        raise BusMessageError("bad_signature", f"{len(signed.signature)} signature bytes")
+    message = _to_sign(kind, signed.payload)
+    for k in keys:
+        try:
+            k.verify(signed.signature, message)
+            return signed.payload
+        except InvalidSignature:
+            continue
+    raise BusMessageError("bad_signature", f"signature does not match key {signed.key_id}")
+
+
+def unsigned_payload(data: bytes, kind: SignedKind, *, max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
+    """The payload of a Signed envelope without checking who signed it (for display only)."""
+    signed = decode_signed(data, max_bytes=max_bytes)
+    if signed.kind != kind:
+        raise BusMessageError("wrong_kind", f"a signed {signed.kind} where {kind} belongs")
+    return signed.payload
+
+
+def verify(
+    data: bytes,
+    kind: SignedKind,
+    type_: type[M],
+    trusted: KeyRing | Sequence[PublicKeyLike],
+    *,
+    max_bytes: int = MAX_PAYLOAD_BYTES,
+) -> M:
+    """The inner message of ``kind`` and type ``type_``, signed by a trusted key."""
+    return decode(open_signed(data, kind, trusted, max_bytes=max_bytes), type_, max_bytes=max_bytes)
+
+
+def _check_for(mesh: str | None, node: str | None, msg_mesh: str, msg_node: str, what: str) -> None:
+    if (mesh is not None and msg_mesh != mesh) or (node is not None and msg_node != node):
+        raise BusMessageError("wrong_node", f"{what} is for {msg_mesh}/{msg_node}")
 
 
 def verify_route_set(
     data: bytes,
-    trusted: Sequence[PublicKeyLike],
+    trusted: KeyRing | Sequence[PublicKeyLike],
     *,
     mesh: str | None = None,
     node: str | None = None,
@@ -164,55 +274,41 @@ def verify_route_set(
 ) -> RouteSet:
     """The RouteSet in ``data`` if a trusted key signed it; BusMessageError otherwise.
 
-    Reasons: the decoder's (too_large, bad_json, ...), "unknown_key" (no trusted key
-    has that key id), "bad_signature", and "wrong_node" when ``mesh``/``node`` are given
-    and the signed set is for another (a set replayed on another node's topic).
+    Also "wrong_node" when ``mesh``/``node`` are given and the signed set is for another
+    (a set replayed on another node's topic).
     """
-    signed = decode_signed_route_set(data, max_bytes=max_bytes)
-    keys = [k for k in map(_as_public, trusted) if key_id(k) == signed.key_id]
-    if not keys:
-        raise BusMessageError("unknown_key", f"key id {signed.key_id[:20]!r} is not trusted")
-    if len(signed.signature) != SIGNATURE_LEN:
-        raise BusMessageError("bad_signature", f"{len(signed.signature)} signature bytes")
-    for k in keys:
-        try:
-            k.verify(signed.signature, signed.payload)
-            break
-        except InvalidSignature:
-            continue
-    else:
-        raise BusMessageError("bad_signature", f"signature does not match key {signed.key_id}")
-    rs = decode_route_set(signed.payload, max_bytes=max_bytes)
-    if (mesh is not None and rs.mesh != mesh) or (node is not None and rs.node != node):
-        raise BusMessageError("wrong_node", f"route set is for {rs.mesh}/{rs.node}")
+    rs = verify(data, "routes", RouteSet, trusted, max_bytes=max_bytes)
+    _check_for(mesh, node, rs.mesh, rs.node, "route set")
     return rs
 
 
-class ReplayGuard:
-    """Newest accepted route-set version per node; refuses anything not newer.
+def verify_telemetry(
+    data: bytes, trusted: KeyRing | Sequence[PublicKeyLike], *, mesh: str, node: str
+) -> Telemetry:
+    """Telemetry signed by ``node``'s enrolled key, for ``mesh``/``node`` (the topic's)."""
+    t = verify(data, "telemetry", Telemetry, trusted)
+    _check_for(mesh, node, t.mesh, t.node, "telemetry")
+    return t
 
-    ``check`` raises "replay" for an older version and "duplicate" for the same version
-    (a retained set seen again after a reconnect: harmless, but still not installed
-    twice), and otherwise records the version. ``seed`` restores what an agent found
-    installed after a restart.
-    """
 
-    def __init__(self) -> None:
-        self._newest: dict[tuple[str, str], int] = {}
+def verify_status(
+    data: bytes, trusted: KeyRing | Sequence[PublicKeyLike], *, mesh: str, node: str
+) -> AgentStatus:
+    st = verify(data, "status", AgentStatus, trusted)
+    _check_for(mesh, node, st.mesh, st.node, "status")
+    return st
 
-    def newest(self, mesh: str, node: str) -> int | None:
-        return self._newest.get((mesh, node))
 
-    def seed(self, mesh: str, node: str, version: int) -> None:
-        key = (mesh, node)
-        self._newest[key] = max(version, self._newest.get(key, version))
+def verify_lease(data: bytes, trusted: KeyRing | Sequence[PublicKeyLike], *, mesh: str) -> Lease:
+    lease = verify(data, "lease", Lease, trusted)
+    _check_for(mesh, None, lease.mesh, "", "lease")
+    return lease
 
-    def check(self, rs: RouteSet) -> RouteSet:
-        key = (rs.mesh, rs.node)
-        newest = self._newest.get(key)
-        if newest is not None and rs.version < newest:
-            raise BusMessageError("replay", f"version {rs.version} < installed {newest}")
-        if newest is not None and rs.version == newest:
-            raise BusMessageError("duplicate", f"version {rs.version} already accepted")
-        self._newest[key] = rs.version
-        return rs
+
+def verify_controller_status(
+    data: bytes, trusted: KeyRing | Sequence[PublicKeyLike], *, controller: str
+) -> ControllerStatus:
+    cs = verify(data, "controller_status", ControllerStatus, trusted)
+    if cs.controller != controller:
+        raise BusMessageError("wrong_node", f"status of controller {cs.controller!r}")
+    return cs

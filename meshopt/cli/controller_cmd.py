@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
 from meshopt.cli.daemon_runner import run_daemon
+from meshopt.cli.keys import write_new_key
 from meshopt.errors import InputError
 
 
@@ -53,11 +52,4 @@ def controller_group(
 @click.option("--force", is_flag=True, help="Overwrite an existing key file.")
 def keygen_cmd(out: str, force: bool) -> None:
     """Make an Ed25519 signing key; print the public key agents put in controller_keys."""
-    from meshopt.bus.signing import generate_signing_key, save_private_key
-
-    path = Path(out)
-    if path.exists() and not force:
-        raise InputError(f"{path} exists; use --force to replace it (agents must then be updated)")
-    key, public = generate_signing_key()
-    save_private_key(path, key)
-    click.echo(public)
+    click.echo(write_new_key(out, force, "agents must then be updated"))

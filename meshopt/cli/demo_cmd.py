@@ -35,9 +35,18 @@ def _ms(v: float | None) -> str:
     help="One WireGuard interface per node, or one per tunnel.",
 )
 @click.option("--name", default="demo", show_default=True, help="Lab name.")
+@click.option(
+    "--insecure-broker",
+    is_flag=True,
+    help="Anonymous plain MQTT instead of TLS + passwords + ACL (for debugging).",
+)
 @json_option
 def demo_cmd(
-    topology: str | None, layout: Literal["single", "per-peer"], name: str, as_json: bool
+    topology: str | None,
+    layout: Literal["single", "per-peer"],
+    name: str,
+    insecure_broker: bool,
+    as_json: bool,
 ) -> None:
     """Build a live mesh, let meshopt route it, and measure the result with pings.
 
@@ -65,7 +74,9 @@ def demo_cmd(
             if not msg.startswith("converging"):
                 err.log(msg)
 
-        report = run_demo(spec, name=name, layout=layout, progress=progress)
+        report = run_demo(
+            spec, name=name, layout=layout, progress=progress, insecure_broker=insecure_broker
+        )
     if as_json:
         print_json(report.to_json())
         return

@@ -47,6 +47,11 @@ def _progress(msg: str) -> None:
     help="wireguard-go, or the kernel module (auto: kernel when it is loaded).",
 )
 @click.option("--no-broker", is_flag=True, help="Do not start mosquitto.")
+@click.option(
+    "--insecure-broker",
+    is_flag=True,
+    help="Anonymous plain MQTT instead of TLS + passwords + ACL (for debugging).",
+)
 @json_option
 def up_cmd(
     topology: str,
@@ -55,6 +60,7 @@ def up_cmd(
     underlay: str,
     wireguard: str,
     no_broker: bool,
+    insecure_broker: bool,
     as_json: bool,
 ) -> None:
     """Build a lab from TOPOLOGY and leave it running (remove it with `lab down`)."""
@@ -68,6 +74,7 @@ def up_cmd(
         underlay=underlay,
         wireguard=wireguard,
         broker=not no_broker,
+        insecure_broker=insecure_broker,
         progress=_progress,
     )
     status = lab.status()
@@ -154,7 +161,11 @@ def _render_status(s: dict[str, Any]) -> None:
         f"underlay: {s['underlay']}   wireguard: {s['wireguard']} ({s['layout']} layout)   "
         f"overlay: {s['overlay_net']}"
     )
-    c.print(f"broker: {s['broker']['address']} (nodes), {s['broker']['socket']} (this host)")
+    b = s["broker"]
+    mode = {"secure": "TLS + passwords + ACL", "insecure": "anonymous, plain"}.get(
+        b.get("mode", ""), b.get("mode", "")
+    )
+    c.print(f"broker ({mode}): {b['address']} (nodes), {b['socket']} (this host)")
     if s.get("build_s") is not None:
         c.print(f"built in {s['build_s']:.1f} s; processes use {s['rss_mb']} MB RSS")
     t = Table(title_justify="left")

@@ -15,7 +15,7 @@ from typing import Any
 import click
 import msgspec
 
-from meshopt.bus.client import parse_broker
+from meshopt.bus.client import BrokerSettings, check_broker_settings
 from meshopt.cli.common import F, console, json_option, print_json
 from meshopt.cli.render import render_live_path, render_live_routes
 from meshopt.errors import InputError
@@ -23,18 +23,47 @@ from meshopt.live import LivePath, LiveView, NodeRoutes, read_view
 from meshopt.sim.report import json_safe
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
-LIVE_PARAMS = ("broker", "mesh", "lab", "controller_keys", "timeout")
+# Broker credentials, kept out of the commands' signatures (five commands share
+# live_options): click stores them in ctx.meta, open_view takes them from there.
+TLS_PARAMS = ("ca_file", "cert_file", "key_file", "username", "password_file")
+LIVE_PARAMS = ("broker", "mesh", "lab", "controller_keys", "timeout", *TLS_PARAMS)
+_META = "meshopt.broker_credentials"
 
 LIVE_HELP = """
 Live form (no TOPOLOGY): read the mesh's retained route sets and telemetry from its
-broker. --broker mqtt://host:port or unix:///path (default $MESHOPT_BROKER, else
-mqtt://127.0.0.1:1883); --mesh NAME (default $MESHOPT_MESH, else the only mesh on the
-broker); --lab NAME takes both from a running `meshopt lab`. Route sets are shown
-unverified unless --controller-key is given.
+broker. --broker mqtt://host:port, mqtts://host:port (TLS) or unix:///path (default
+$MESHOPT_BROKER, else mqtt://127.0.0.1:1883), with --ca-file, --cert-file, --key-file,
+--username, --password-file for a secured broker (defaults $MESHOPT_BROKER_CA_FILE, ...);
+--mesh NAME (default $MESHOPT_MESH, else the only mesh on the broker); --lab NAME takes
+all of it from a running `meshopt lab` (as its reader). Route sets are shown unverified
+unless --controller-key is given.
 """
 
 
+def _keep_credential(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value and param.name:
+        ctx.meta.setdefault(_META, {})[param.name] = value
+
+
 def live_options(f: F) -> F:
+    for name, metavar, what in reversed(
+        (
+            ("ca_file", "FILE", "the broker's CA certificate (mqtts://; default: system CAs)"),
+            ("cert_file", "FILE", "client certificate (mqtts://)"),
+            ("key_file", "FILE", "its private key"),
+            ("username", "NAME", "user name on the broker"),
+            ("password_file", "FILE", "file whose first line is the password"),
+        )
+    ):
+        f = click.option(
+            "--" + name.replace("_", "-"),
+            name,
+            envvar="MESHOPT_BROKER_" + name.upper(),
+            metavar=metavar,
+            expose_value=False,
+            callback=_keep_credential,
+            help=f"Live: {what}.",
+        )(f)
     f = click.option(
         "--timeout",
         type=float,
@@ -60,7 +89,7 @@ def live_options(f: F) -> F:
         "--broker",
         envvar="MESHOPT_BROKER",
         metavar="URL",
-        help=f"Live: mqtt://host:port or unix:///path [default: {DEFAULT_BROKER}]",
+        help=f"Live: mqtt[s]://host:port or unix:///path [default: {DEFAULT_BROKER}]",
     )(f)
     return f
 
@@ -96,17 +125,21 @@ def open_view(
     controller_keys: Sequence[str],
     timeout: float,
 ) -> LiveView:
+    ctx = click.get_current_context(silent=True)
+    given: dict[str, str] = dict(ctx.meta.get(_META, {})) if ctx is not None else {}
     if lab is not None:
         from meshopt.lab.lab import Lab
 
         attached = Lab.attach(lab)
-        broker = f"unix://{attached.broker_socket}"
+        settings = attached.host_broker_settings("reader")
         if mesh is not None and mesh != attached.plan.name:
             raise InputError(f"lab {lab} runs mesh {attached.plan.name}, not {mesh}")
         mesh = attached.plan.name
+    else:
+        settings = BrokerSettings(url=broker or DEFAULT_BROKER, **given)
     if timeout <= 0:
         raise InputError("--timeout must be positive")
-    address = parse_broker(broker or DEFAULT_BROKER)
+    check_broker_settings(settings, where="--")
     keys: list[str] = list(controller_keys)
     if keys:
         from meshopt.bus.signing import load_public_key
@@ -118,7 +151,7 @@ def open_view(
     def warn(line: str) -> None:
         err.print(f"meshopt: warning: {line}", markup=False)
 
-    return read_view(address, mesh, trusted_keys=keys, timeout_s=timeout, warn=warn)
+    return read_view(settings, mesh, trusted_keys=keys, timeout_s=timeout, warn=warn)
 
 
 def _when(t: float | None) -> dict[str, Any]:

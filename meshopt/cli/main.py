@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "controller": "meshopt.cli.controller_cmd:controller_group",
     "demo": "meshopt.cli.demo_cmd:demo_cmd",
     "bench": "meshopt.cli.bench_cmd:bench_group",
+    "broker": "meshopt.cli.broker_cmd:broker_group",
 }
 
 

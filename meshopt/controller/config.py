@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from meshopt.bus.client import parse_broker
+from meshopt.bus.client import (
+    BrokerSettings,
+    check_broker_settings,
+    fold_broker_shorthand,
+    with_default_username,
+)
 from meshopt.configfile import build, read_toml
 from meshopt.errors import InputError
 from meshopt.metric import Metric
@@ -39,11 +44,22 @@ class MetricSettings:
 
 
 @dataclass(frozen=True)
+class Enrolment:
+    """A node the controller takes telemetry from: its identity key, optionally pinned
+    WireGuard keys and overlay addresses (claims outside a pin are refused)."""
+
+    node: str
+    key: str
+    wireguard: tuple[str, ...] = ()
+    addresses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class ControllerConfig:
     mesh: str
     id: str
     signing_key: str
-    broker: str = "mqtt://127.0.0.1:1883"
+    broker: BrokerSettings = field(default_factory=BrokerSettings)  # [broker], or a url
     nodes: tuple[str, ...] = ()  # allow-list; empty: any node that publishes telemetry
     symmetric: bool = False  # true for meshes in the single-interface layout
     debounce_s: float = 0.2
@@ -57,9 +73,17 @@ class ControllerConfig:
     bulk: bool = True  # also publish a bulk table (widest paths)
     policy: PolicySettings = field(default_factory=PolicySettings)
     metric: MetricSettings = field(default_factory=MetricSettings)
+    # Other controllers' public keys (this one's own is implied): their leases count.
+    controller_keys: tuple[str, ...] = ()
+    max_skew_s: float = 30.0  # how far a sender's clock may run ahead of ours
+    node_keys: tuple[Enrolment, ...] = ()  # the [node_keys] table
 
 
-_SECTIONS: dict[str, type[Any]] = {"policy": PolicySettings, "metric": MetricSettings}
+_SECTIONS: dict[str, type[Any]] = {
+    "policy": PolicySettings,
+    "metric": MetricSettings,
+    "broker": BrokerSettings,
+}
 
 
 def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> ControllerConfig:
@@ -67,27 +91,83 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
     if not isinstance(top, dict):
         raise InputError("missing [controller] table", source=source)
     for key in data:
-        if key != "controller" and key not in _SECTIONS:
+        if key not in ("controller", "node_keys") and key not in _SECTIONS:
             raise InputError(f"unknown table [{key}]", source=source)
     for key in ("mesh", "id", "signing_key"):
         if key not in top:
             raise InputError(f'[controller] needs {key} = "..."', source=source)
-    rest = {k: v for k, v in data.items() if k != "controller"}
+    rest = {k: v for k, v in data.items() if k not in ("controller", "node_keys")}
     try:
+        enrolled = parse_node_keys(data.get("node_keys"))
+        top = dict(top)
+        fold_broker_shorthand(top, rest, "controller")
         cfg: ControllerConfig = build(ControllerConfig, {**top, **rest}, sections=_SECTIONS)
+        cfg = replace(cfg, broker=with_default_username(cfg.broker, cfg.id))
+        cfg = replace(cfg, node_keys=enrolled)
         for key, value in (("mesh", cfg.mesh), ("id", cfg.id), *(("nodes", n) for n in cfg.nodes)):
             if not NAME.fullmatch(value):
                 raise InputError(f"{key} {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
-        parse_broker(cfg.broker)
+        check_broker_settings(cfg.broker)  # reads the TLS and password files
         if cfg.lease_s < 1.0:
             raise InputError("lease_s must be >= 1 s")
         if cfg.settle_s >= cfg.lease_s:
             raise InputError("settle_s must be shorter than lease_s")
         cfg.policy.policy()
         cfg.metric.metric()
+        for k in cfg.controller_keys:
+            _public_key(k, "controller_keys")
+        if cfg.nodes and set(cfg.nodes) - {e.node for e in enrolled}:
+            missing = sorted(set(cfg.nodes) - {e.node for e in enrolled})
+            raise InputError(f"nodes: {missing[0]} has no key in [node_keys]")
     except InputError as exc:
         raise InputError(exc.message, source=source) from None
     return cfg
+
+
+def _public_key(text: object, where: str) -> str:
+    from meshopt.bus.signing import load_public_key
+
+    if not isinstance(text, str):
+        raise InputError(f"{where} must be a base64 Ed25519 public key")
+    try:
+        load_public_key(text)
+    except InputError:
+        raise InputError(f"{where}: {text[:60]!r} is not a base64 Ed25519 public key") from None
+    return text
+
+
+def parse_node_keys(table: object) -> tuple[Enrolment, ...]:
+    """``[node_keys]``: ``node = "KEY"`` or ``node = {key = "KEY", wireguard = [...],
+    addresses = [...]}``. Without it the controller would take no telemetry at all."""
+    if table is None or table == {}:
+        raise InputError(
+            "no [node_keys]: enrol each node's identity key (meshopt agent keygen prints it),"
+            " e.g. [node_keys] a = \"BASE64KEY\""
+        )
+    if not isinstance(table, dict):
+        raise InputError("[node_keys] must be a table of node = key")
+    from meshopt.bus.messages import BusMessageError, _key, _prefix
+
+    out: list[Enrolment] = []
+    for node, value in table.items():
+        where = f"node_keys.{node}"
+        if not NAME.fullmatch(node):
+            raise InputError(f"{where}: bad node name (use 1-64 of A-Z a-z 0-9 _ . -)")
+        if isinstance(value, str):
+            value = {"key": value}
+        if not isinstance(value, dict):
+            raise InputError(f"{where} must be a key or a table {{key, wireguard, addresses}}")
+        e: Enrolment = build(Enrolment, {"node": node, "key": "", **value}, where + ".")
+        _public_key(e.key, where + ".key")
+        try:
+            for k in e.wireguard:
+                _key(k, where + ".wireguard")
+            for a in e.addresses:
+                _prefix(a, where + ".addresses")
+        except BusMessageError as exc:
+            raise InputError(exc.detail) from None
+        out.append(e)
+    return tuple(out)
 
 
 def load_controller_config(path: str | Path) -> ControllerConfig:

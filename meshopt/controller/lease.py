@@ -12,6 +12,13 @@ decides anything, so a restarted controller never overrides a live one.
 So two controllers never publish at the same time as long as clocks agree to within
 ``lease_s - settle_s`` (NTP); route-set versions (time based, strictly increasing) and
 the agents' refusal of older versions cover the rest. Pure: times are passed in.
+
+Leases are signed by a controller key (meshopt.controller.core checks that) and bounded
+here (:func:`check_lease`): issued no later than the clock skew allows, living at most
+``MAX_LEASE_FACTOR`` x ``lease_s`` (a lease "for 30 years" would freeze routing), with a
+term the clock can explain (a term of 2^62 would be persisted by agents and refuse every
+later controller). A lease older than the one held (lower term, or the same holder's
+earlier renewal) is a replay and changes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +26,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from meshopt.bus.messages import Lease
+from meshopt.bus.freshness import MAX_SKEW_S, check_time, term_ceiling
+from meshopt.bus.messages import BusMessageError, Lease
+
+MAX_LEASE_FACTOR = 3.0
+
+
+def check_lease(
+    lease: Lease, wall: float, *, lease_s: float, max_skew_s: float = MAX_SKEW_S
+) -> None:
+    """BusMessageError unless ``lease`` is possible for controllers configured with ``lease_s``."""
+    check_time(lease.issued_at, wall, max_skew_s=max_skew_s, max_age_s=None)
+    if lease.expires_at - lease.issued_at > MAX_LEASE_FACTOR * lease_s:
+        raise BusMessageError(
+            "lease_too_long",
+            f"{lease.expires_at - lease.issued_at:.0f} s (at most {MAX_LEASE_FACTOR * lease_s:g})",
+        )
+    if lease.term > term_ceiling(wall, max_skew_s):
+        raise BusMessageError("term_jump", f"term {lease.term} runs ahead of the clock")
+
 
 Role = Literal["starting", "standby", "claiming", "active"]
 
@@ -40,6 +65,17 @@ class LeaseKeeper:
     became_active_at: float | None = None
 
     def on_lease(self, lease: Lease) -> None:
+        """Take a (checked, signed) lease; BusMessageError "replay" for an older one."""
+        cur = self.current
+        if cur is not None and (
+            lease.term < cur.term
+            or (
+                lease.term == cur.term
+                and lease.controller == cur.controller
+                and lease.issued_at < cur.issued_at
+            )
+        ):
+            raise BusMessageError("replay", f"term {lease.term} from {lease.controller}")
         self.current = lease
         self.holder_gone = False
         if self.role == "active" and lease.controller != self.me and lease.term >= self.term:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ def _toml_value(v: Any) -> str:
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     raise TypeError(f"no TOML for {v!r}")
 
 
@@ -55,14 +58,20 @@ def agent_config(
         "interfaces": ["wg0"] if single else ["wg-*"],
         "layout": lab.plan.layout,
         "mesh_prefixes": [lab.plan.overlay_net],
-        "broker": f"mqtt://{lab.plan.broker_ip}:1883",
         "controller_keys": list(controller_keys),
+        "identity_key": str(identity_key(lab, node)[0]),
         "state_dir": str(lab_dir(lab.plan.lab_id) / "agents" / node),
     }
-    out: dict[str, dict[str, Any]] = {"agent": agent}
+    out: dict[str, dict[str, Any]] = {"agent": agent, "broker": broker_table(lab, node)}
     for table, values in (sections or {}).items():
         out.setdefault(table, {}).update(values)
     return out
+
+
+def broker_table(lab: Lab, identity: str) -> dict[str, str]:
+    """The [broker] table of ``identity``'s config: the lab's broker, its credentials."""
+    settings = asdict(lab.broker_settings(identity))
+    return {k: v for k, v in settings.items() if v}
 
 
 def write_agent_config(lab: Lab, node: str, config: Mapping[str, Mapping[str, Any]]) -> Path:
@@ -107,19 +116,7 @@ def agent_log(lab: Lab, node: str) -> str:
 
 def controller_key(lab: Lab) -> tuple[Path, str]:
     """The lab's controller signing key (made once per lab) and its public key."""
-    from meshopt.bus.signing import (
-        generate_signing_key,
-        load_private_key,
-        public_key_b64,
-        save_private_key,
-    )
-
-    path = lab_dir(lab.plan.lab_id) / "controller.key"
-    if path.exists():
-        return path, public_key_b64(load_private_key(path))
-    key, public = generate_signing_key()
-    save_private_key(path, key)
-    return path, public
+    return _key_file(lab_dir(lab.plan.lab_id) / "controller.key")
 
 
 def start_controller(
@@ -142,11 +139,14 @@ def start_controller(
         "mesh": lab.plan.name,
         "id": controller_id,
         "signing_key": str(key),
-        "broker": f"mqtt://{lab.plan.broker_ip}:1883",
         "symmetric": lab.plan.layout == "single",
         **(settings or {}),
     }
-    cfg: dict[str, dict[str, Any]] = {"controller": top}
+    cfg: dict[str, dict[str, Any]] = {
+        "controller": top,
+        "broker": broker_table(lab, controller_id),
+        "node_keys": enrolment(lab),
+    }
     for table, values in (sections or {}).items():
         cfg.setdefault(table, {}).update(values)
     path = lab_dir(lab.plan.lab_id) / "controllers" / f"{controller_id}.toml"
@@ -173,3 +173,40 @@ def start_controller(
 def controller_log(lab: Lab, controller_id: str = "ctl1") -> str:
     path = lab_dir(lab.plan.lab_id) / "controllers" / f"{controller_id}.log"
     return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _key_file(path: Path) -> tuple[Path, str]:
+    """An Ed25519 key at ``path`` (made the first time) and its public key."""
+    from meshopt.bus.signing import (
+        generate_signing_key,
+        load_private_key,
+        public_key_b64,
+        save_private_key,
+    )
+
+    if path.exists():
+        return path, public_key_b64(load_private_key(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key, public = generate_signing_key()
+    save_private_key(path, key)
+    return path, public
+
+
+def identity_key(lab: Lab, node: str) -> tuple[Path, str]:
+    """``node``'s agent identity key (made once per lab) and its public key."""
+    return _key_file(lab_dir(lab.plan.lab_id) / "identities" / f"{node}.key")
+
+
+def enrolment(lab: Lab) -> dict[str, dict[str, Any]]:
+    """The controller's [node_keys]: every node's identity, pinned to the WireGuard keys
+    and the overlay address the lab gave it (what an operator knows from wg configs)."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in lab.plan.nodes:
+        out[n.name] = {
+            "key": identity_key(lab, n.name)[1],
+            "wireguard": sorted(w.public_key for w in lab.state.wg if w.node == n.name),
+            "addresses": [
+                f"{n.overlay_ip}/32" if ":" not in n.overlay_ip else f"{n.overlay_ip}/128"
+            ],
+        }
+    return out

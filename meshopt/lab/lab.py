@@ -8,7 +8,12 @@ it (so a failure at any point rolls back exactly what exists):
    pair's delay, jitter, loss and rate;
 3. the management network: a bridge in the management namespace, a veth to every
    node, and mosquitto listening on it and on a unix socket in the lab's directory
-   (for tools in the root namespace);
+   (for tools in the root namespace). By default the broker is secured exactly as
+   ``meshopt broker init`` sets one up for operators: TLS on the management network,
+   a certificate and password per identity (every node, controllers ctl1..ctl3, a
+   ``reader`` and an ``admin``), an ACL binding each node to its own topics; the unix
+   socket takes the same passwords and ACL without TLS. ``insecure_broker`` keeps the
+   old anonymous, plain broker for debugging;
 4. WireGuard over the underlay (wireguard-go here; the kernel module where present),
    with the topology's overlay addresses.
 
@@ -32,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from meshopt.bus.client import BrokerSettings
 from meshopt.errors import InputError
 from meshopt.lab import procs
 from meshopt.lab.emulator import (
@@ -80,6 +86,13 @@ Progress = Callable[[str], None]
 # What wireguard-go adds per direction here (two process wake-ups per packet), measured
 # with scripts/bench_lab.py: median overlay RTT - underlay RTT = 0.5-0.7 ms at 10-80 ms.
 WG_USERSPACE_LATENCY_US = 250.0
+# The secure broker's identities besides the nodes: controllers, a host-side reader, and
+# an admin (all of the mesh's topics: for tests injecting what no identity may send).
+LAB_CONTROLLERS = ("ctl1", "ctl2", "ctl3")
+LAB_READER = "reader"
+LAB_ADMIN = "admin"
+PLAIN_PORT = 1883
+TLS_PORT = 8883
 
 
 def _quiet(_: str) -> None:
@@ -152,9 +165,13 @@ class Lab:
         underlay: str = "auto",
         wireguard: str = "auto",
         broker: bool = True,
+        insecure_broker: bool = False,
         progress: Progress = _quiet,
     ) -> Lab:
-        """Build the lab; on any failure (Ctrl-C included) remove what was built."""
+        """Build the lab; on any failure (Ctrl-C included) remove what was built.
+
+        The broker is secured (TLS, passwords, ACL) unless ``insecure_broker``.
+        """
         _preflight()
         topo = load_topology(topology) if isinstance(topology, str) else topology
         source = topology if isinstance(topology, str) else topo.source
@@ -194,6 +211,7 @@ class Lab:
                 underlay=underlay_mode,
                 wireguard=wg_mode,
                 created=time.time(),
+                broker_mode="none" if not broker else "insecure" if insecure_broker else "secure",
             )
             save(state)
         lab = cls(state, topo, plan)
@@ -340,18 +358,111 @@ class Lab:
         """The broker's address on the management network, for the nodes."""
         return self.plan.broker_ip
 
+    @property
+    def secure_broker(self) -> bool:
+        """True when the broker runs with TLS, passwords and the ACL (the default)."""
+        return self.state.broker_mode == "secure"
+
+    @property
+    def broker_port(self) -> int:
+        """The broker's port on the management network (TLS in secure mode)."""
+        return TLS_PORT if self.secure_broker else PLAIN_PORT
+
+    @property
+    def broker_pki(self) -> Path:
+        """``meshopt broker init``'s directory for this lab (secure mode)."""
+        return lab_dir(self.plan.lab_id) / "mqtt"
+
+    def _identity_dir(self, identity: str) -> Path:
+        d = self.broker_pki / "clients" / identity
+        if not d.is_dir():
+            have = sorted(p.name for p in (self.broker_pki / "clients").glob("*"))
+            raise LabError(
+                f"lab {self.plan.name}: no broker identity {identity!r} "
+                f"(there are: {', '.join(have) or 'none'})"
+            )
+        return d
+
+    def broker_password(self, identity: str) -> str:
+        return (self._identity_dir(identity) / "password").read_text().splitlines()[0]
+
+    def broker_settings(self, identity: str) -> BrokerSettings:
+        """How a daemon of ``identity`` inside the lab (a node, or a controller in the
+        management namespace) reaches the broker: mqtts:// with its own files."""
+        if not self.secure_broker:
+            return BrokerSettings(url=f"mqtt://{self.plan.broker_ip}:{PLAIN_PORT}")
+        d = self._identity_dir(identity)
+        return BrokerSettings(
+            url=f"mqtts://{self.plan.broker_ip}:{TLS_PORT}",
+            ca_file=str(d / "ca.crt"),
+            cert_file=str(d / "client.crt"),
+            key_file=str(d / "client.key"),
+            username=identity,
+            password_file=str(d / "password"),
+        )
+
+    def host_broker_settings(self, identity: str = LAB_READER) -> BrokerSettings:
+        """The host side's door: the unix socket, with ``identity``'s password."""
+        url = f"unix://{self.broker_socket}"
+        if not self.secure_broker:
+            return BrokerSettings(url=url)
+        d = self._identity_dir(identity)
+        return BrokerSettings(url=url, username=identity, password_file=str(d / "password"))
+
+    def mosquitto_cli_args(self, identity: str = LAB_READER, *, network: bool = False) -> list[str]:
+        """Connection options for mosquitto_pub/mosquitto_sub as ``identity``: the unix
+        socket (host side), or with ``network`` the management network (inside a node)."""
+        if network:
+            where = ["-h", self.plan.broker_ip, "-p", str(self.broker_port)]
+        else:
+            where = ["--unix", str(self.broker_socket)]
+        if not self.secure_broker:
+            return where
+        d = self._identity_dir(identity)
+        tls = ["--cafile", str(d / "ca.crt"), "--cert", str(d / "client.crt")]
+        tls += ["--key", str(d / "client.key")]
+        login = ["-u", identity, "-P", self.broker_password(identity)]
+        return where + (tls if network else []) + login
+
+    def _broker_conf(self) -> Path:
+        """Write the broker's config (and, in secure mode, the PKI and credentials)."""
+        directory = lab_dir(self.plan.lab_id)
+        if self.secure_broker:
+            from meshopt.broker.mosquitto import BrokerRequest, make_identities, write_broker_dir
+
+            nodes = [n.name for n in self.plan.nodes]
+            request = BrokerRequest(
+                mesh=self.plan.name,
+                identities=tuple(
+                    make_identities(nodes, LAB_CONTROLLERS, [LAB_READER], [LAB_ADMIN])
+                ),
+                hosts=(self.plan.broker_ip,),
+                port=TLS_PORT,
+                install_dir="",  # the conf names the files where they are
+                client_dir="",  # broker.toml names the files where they are
+                bind_address=self.plan.broker_ip,
+                unix_socket=str(self.broker_socket),
+                persistence_dir="",
+                run_as="root",
+                log_dest="stderr",
+            )
+            files = write_broker_dir(request, self.broker_pki)
+            return files.broker_dir / "mosquitto.conf"
+        conf = directory / "mosquitto.conf"
+        conf.write_text(
+            "# meshopt lab broker (--insecure-broker): anonymous, plain MQTT\n"
+            "user root\npersistence false\nallow_anonymous true\n"
+            "log_dest stderr\nlog_type error\nlog_type warning\n"
+            f"listener {PLAIN_PORT} {self.plan.broker_ip}\n"
+            f"listener 0 {self.broker_socket}\n"
+        )
+        return conf
+
     def _start_broker(self, timeout: float = 10.0) -> None:
         if shutil.which("mosquitto") is None:
             raise LabError("the lab's broker needs mosquitto (apt install mosquitto)")
         directory = lab_dir(self.plan.lab_id)
-        conf = directory / "mosquitto.conf"
-        conf.write_text(
-            "# meshopt lab broker: management network and a local unix socket\n"
-            "user root\npersistence false\nallow_anonymous true\n"
-            "log_dest stderr\nlog_type error\nlog_type warning\n"
-            f"listener 1883 {self.plan.broker_ip}\n"
-            f"listener 0 {self.broker_socket}\n"
-        )
+        conf = self._broker_conf()
         log = directory / "mosquitto.log"
         proc = procs.spawn(
             ["mosquitto", "-c", str(conf)], self.plan.lab_id, log, netns=self.plan.mgmt_netns
@@ -419,7 +530,26 @@ class Lab:
             procs.TAG: self.plan.lab_id,
             "MESHOPT_LAB_NAME": self.plan.name,
             "MESHOPT_NODE": p.name,
-            "MESHOPT_BROKER": f"{self.plan.broker_ip}:1883",
+            **self._broker_env(p.name),
+        }
+
+    def _broker_env(self, node: str) -> dict[str, str]:
+        """MESHOPT_BROKER and, in secure mode, the node's own credentials (for the live
+        commands run in a node; with them a node reads only its own route set)."""
+        plain = {"MESHOPT_BROKER": f"{self.plan.broker_ip}:{PLAIN_PORT}"}
+        if self.state.broker_mode != "secure":
+            return plain
+        try:
+            s = self.broker_settings(node)
+        except LabError:  # the broker is not set up yet (or was not started)
+            return {"MESHOPT_BROKER": f"mqtts://{self.plan.broker_ip}:{TLS_PORT}"}
+        return {
+            "MESHOPT_BROKER": s.url,
+            "MESHOPT_BROKER_CA_FILE": s.ca_file,
+            "MESHOPT_BROKER_CERT_FILE": s.cert_file,
+            "MESHOPT_BROKER_KEY_FILE": s.key_file,
+            "MESHOPT_BROKER_USERNAME": s.username,
+            "MESHOPT_BROKER_PASSWORD_FILE": s.password_file,
         }
 
     def wg_run_dir(self, node: str) -> Path:
@@ -558,7 +688,11 @@ def lab_status(lab: Lab, *, stats: bool = False) -> dict[str, Any]:
         "wireguard": st.wireguard,
         "layout": st.layout,
         "overlay_net": lab.plan.overlay_net,
-        "broker": {"address": f"{lab.broker_host}:1883", "socket": str(lab.broker_socket)},
+        "broker": {
+            "address": f"{lab.broker_host}:{lab.broker_port}",
+            "socket": str(lab.broker_socket),
+            "mode": st.broker_mode,
+        },
         "build_s": st.build_s,
         "processes": procs_out,
         "rss_mb": round(rss_kb / 1024, 1),

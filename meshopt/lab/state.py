@@ -59,6 +59,9 @@ class LabState(msgspec.Struct):
     # link loss before ``lab set a-b down``, to restore on ``up``: "a->b" -> loss
     saved_loss: dict[str, float] = msgspec.field(default_factory=dict)
     build_s: float | None = None
+    # "secure": TLS, a password and certificate per identity, an ACL (the default);
+    # "insecure": anonymous, plain MQTT (--insecure-broker, for debugging); "none".
+    broker_mode: str = "insecure"  # what labs made before the mode existed ran
 
     def pid_of(self, role: str) -> int | None:
         for p in self.procs:

@@ -31,11 +31,12 @@ from .tools import need_tools
 
 
 def bus_read(lab: Lab, topic: str, *, count: int = 1, timeout: float = 15) -> list[bytes]:
-    """Messages on ``topic`` (retained ones first), read with mosquitto_sub on the host."""
+    """Messages on ``topic`` (retained ones first), read with mosquitto_sub on the host
+    as the lab's reader (read-only on the broker's ACL)."""
     need_tools("mosquitto_sub")
     proc = subprocess.run(
         [
-            *("mosquitto_sub", "--unix", str(lab.broker_socket), "-t", topic),
+            *("mosquitto_sub", *lab.mosquitto_cli_args("reader"), "-t", topic),
             *("-C", str(count), "-W", str(int(timeout)), "-N"),
         ],
         capture_output=True,
@@ -44,11 +45,27 @@ def bus_read(lab: Lab, topic: str, *, count: int = 1, timeout: float = 15) -> li
     return [m for m in proc.stdout.split(b"\n") if m] if b"\n" in proc.stdout else [proc.stdout]
 
 
-def bus_publish(lab: Lab, topic: str, payload: bytes, tmp: Path, *, retain: bool = False) -> None:
+def publisher(lab: Lab, topic: str) -> str:
+    """Who may send on ``topic``, as a compromised sender would: a node on its own
+    telemetry/status, a controller (ctl3, which no test runs) on route sets and the
+    controller topics, else the lab's admin (what no identity may send: the broker's ACL
+    refuses it, so only a broken ACL lets it through to the daemons)."""
+    kind, _, name = topic.removeprefix(f"meshopt/{lab.plan.name}/").partition("/")
+    if kind in ("telemetry", "status") and name in [n.name for n in lab.plan.nodes]:
+        return name
+    if kind in ("routes", "controller"):
+        return "ctl3"
+    return "admin"
+
+
+def bus_publish(
+    lab: Lab, topic: str, payload: bytes, tmp: Path, *, retain: bool = False, who: str = ""
+) -> None:
     need_tools("mosquitto_pub")
     f = tmp / "payload"
     f.write_bytes(payload)
-    argv = ["mosquitto_pub", "--unix", str(lab.broker_socket), "-t", topic, "-f", str(f), "-q", "1"]
+    login = lab.mosquitto_cli_args(who or publisher(lab, topic))
+    argv = ["mosquitto_pub", *login, "-t", topic, "-f", str(f), "-q", "1"]
     subprocess.run(argv + (["-r"] if retain else []), check=True, timeout=10)
 
 

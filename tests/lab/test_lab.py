@@ -88,16 +88,21 @@ def test_broker_reachable_over_management_network_when_underlay_is_down(lab4: La
     lab4.set("node=n1 down")
     try:
         assert _ping(lab4, "n1", "n2", 3, 0.05).received == 0
+        # n3 publishes its own telemetry topic (all the ACL lets a node write); n1 reads
+        # it with the reader's credentials, over TLS on the management network.
+        topic = f"meshopt/{lab4.plan.name}/telemetry/n3"
+        sub_args = lab4.mosquitto_cli_args("reader", network=True)
+        pub_args = lab4.mosquitto_cli_args("n3", network=True)
         sub = lab4.popen(
             "n1",
-            ["mosquitto_sub", "-h", lab4.broker_host, "-t", "lab/test", "-C", "1", "-W", "5"],
+            ["mosquitto_sub", *sub_args, "-t", topic, "-C", "1", "-W", "5"],
             stdout=subprocess.PIPE,
             text=True,
         )
         time.sleep(0.3)
         deadline = time.monotonic() + 5
         while sub.poll() is None and time.monotonic() < deadline:
-            lab4.run("n3", ["mosquitto_pub", "-h", lab4.broker_host, "-t", "lab/test", "-m", "hi"])
+            lab4.run("n3", ["mosquitto_pub", *pub_args, "-t", topic, "-m", "hi"])
             time.sleep(0.1)
         out, _ = sub.communicate(timeout=5)
         assert out.strip() == "hi"

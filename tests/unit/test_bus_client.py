@@ -47,6 +47,10 @@ TOPICS = Topics("lab")
         ("[fd00::1]:1885", BrokerAddress("tcp", "fd00::1", 1885)),
         ("mqtt://agent:s%40cret@h:1", BrokerAddress("tcp", "h", 1, "agent", "s@cret")),
         ("unix:///run/meshopt/mqtt.sock", BrokerAddress("unix", "/run/meshopt/mqtt.sock", 0)),
+        ("mqtts://broker.example", BrokerAddress("tcp", "broker.example", 8883, tls=True)),
+        ("MQTTS://10.0.0.1:9883", BrokerAddress("tcp", "10.0.0.1", 9883, tls=True)),
+        ("mqtts://[fd00::1]", BrokerAddress("tcp", "fd00::1", 8883, tls=True)),
+        ("mqtts://n1:pw@h", BrokerAddress("tcp", "h", 8883, "n1", "pw", tls=True)),
     ],
 )
 def test_parse_broker(url: str, want: BrokerAddress) -> None:
@@ -55,7 +59,8 @@ def test_parse_broker(url: str, want: BrokerAddress) -> None:
 
 @pytest.mark.parametrize(
     "url",
-    ["", "  ", "http://h", "mqtts://h", "h:0", "h:65536", "h:x", "unix://relative", "unix://",
+    ["", "  ", "http://h", "ssl://h", "mqtts://h:0", "mqtts://", "mqtts://h/x", "h:0",
+     "h:65536", "h:x", "unix://relative", "unix://",
      "mqtt://h/path", "mqtt://h?q=1", "bad_host", "-h", "mqtt://:1883", "unix:///" + "x" * 200],
 )  # fmt: skip
 def test_parse_broker_refuses_garbage(url: str) -> None:
@@ -66,6 +71,7 @@ def test_parse_broker_refuses_garbage(url: str) -> None:
 def test_broker_address_str_hides_password() -> None:
     assert str(parse_broker("mqtt://u:secret@h:5")) == "mqtt://h:5"
     assert str(parse_broker("unix:///x.sock")) == "unix:///x.sock"
+    assert str(parse_broker("mqtts://u:secret@h")) == "mqtts://h:8883"
 
 
 # -- a real broker --------------------------------------------------------------------

@@ -23,12 +23,12 @@ from meshopt.bus.messages import (
     PeerReport,
     Route,
     RouteSet,
-    SignedRouteSet,
+    Signed,
     Telemetry,
     decode_controller_status,
     decode_lease,
     decode_route_set,
-    decode_signed_route_set,
+    decode_signed,
     decode_status,
     decode_telemetry,
     encode,
@@ -174,8 +174,8 @@ def test_round_trips() -> None:
     assert decode_status(encode(st_)) == st_
     rs = route_set()
     assert decode_route_set(encode(rs)) == rs
-    signed = SignedRouteSet(payload=encode(rs), signature=b"\x01" * 64, key_id="abcd")
-    assert decode_signed_route_set(encode(signed)) == signed
+    signed = Signed(kind="routes", payload=encode(rs), signature=b"\x01" * 64, key_id="abcd")
+    assert decode_signed(encode(signed)) == signed
     lease = Lease(mesh="lab", controller="c1", term=4, expires_at=10.0, issued_at=5.0)
     assert decode_lease(encode(lease)) == lease
     cs = ControllerStatus(controller="c1", online=True, role="standby", since=3.0)
@@ -223,8 +223,8 @@ def test_bad_schema() -> None:
     assert reason_of(rs, decode_route_set) == "bad_schema"
     cs = b'{"v":1,"controller":"c","online":true,"role":"boss","since":1}'
     assert reason_of(cs, decode_controller_status) == "bad_schema"
-    sig = b'{"v":1,"payload":"not base64!","signature":"","key_id":"x"}'
-    assert reason_of(sig, decode_signed_route_set) == "bad_schema"
+    sig = b'{"v":1,"kind":"routes","payload":"not base64!","signature":"","key_id":"x"}'
+    assert reason_of(sig, decode_signed) == "bad_schema"
 
 
 def test_bad_version() -> None:
@@ -325,7 +325,7 @@ def test_random_bytes_only_raise_bus_message_error(data: bytes) -> None:
         decode_telemetry,
         decode_status,
         decode_route_set,
-        decode_signed_route_set,
+        decode_signed,
         decode_lease,
         decode_controller_status,
     ):
@@ -379,3 +379,11 @@ def test_counters_log_once_per_reason(caplog: pytest.LogCaptureFixture) -> None:
     assert len(lines) == 2
     assert "bad_json" in lines[0] and "from a" in lines[0]
     assert "too_large" in lines[1]
+
+
+@pytest.mark.parametrize("depth", [1000, 100_000])
+def test_deeply_nested_json_is_bad_json_not_a_crash(depth: int) -> None:
+    for data in (b"[" * depth, b'{"v":1,"kind":"routes","payload":' + b"[" * depth + b"}"):
+        with pytest.raises(BusMessageError) as info:
+            decode_signed(data)
+        assert info.value.reason in ("bad_json", "bad_schema")

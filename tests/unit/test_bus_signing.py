@@ -1,4 +1,4 @@
-"""Route-set signatures: only a trusted key's exact bytes pass; replays are refused."""
+"""Signatures on bus messages: only a trusted key's exact bytes, for that kind and node, pass."""
 
 from __future__ import annotations
 
@@ -13,17 +13,21 @@ from typing import Any
 
 import pytest
 
-from meshopt.bus.messages import BusMessageError, Route, RouteSet, SignedRouteSet, encode
+from meshopt.bus.messages import AgentStatus, BusMessageError, Route, RouteSet, Signed, encode
 from meshopt.bus.signing import (
-    ReplayGuard,
+    CONTEXT,
+    KeyRing,
     generate_signing_key,
     key_id,
     load_private_key,
     load_public_key,
     public_key_b64,
     save_private_key,
+    sign,
     sign_route_set,
+    verify_lease,
     verify_route_set,
+    verify_status,
 )
 from meshopt.errors import InputError
 from meshopt.wireguard.keys import generate_keypair
@@ -53,7 +57,7 @@ def reason(data: bytes, trusted: list[Any], **kw: Any) -> str:
 
 
 def resigned(data: bytes, **changes: Any) -> bytes:
-    """The same SignedRouteSet with fields swapped (bypassing the signer)."""
+    """The same Signed envelope with fields swapped (bypassing the signer)."""
     doc = json.loads(data)
     for k, v in changes.items():
         doc[k] = base64.b64encode(v).decode() if isinstance(v, bytes) else v
@@ -112,7 +116,8 @@ def test_signed_garbage_payload_rejected_after_signature() -> None:
     """A trusted key that signs garbage still does not get garbage installed."""
     key, pub = generate_signing_key()
     payload = b'{"v":1,"mesh":"lab"}'
-    signed = SignedRouteSet(payload=payload, signature=key.sign(payload), key_id=key_id(key))
+    to_sign = CONTEXT + b"routes\n" + payload
+    signed = Signed(kind="routes", payload=payload, signature=key.sign(to_sign), key_id=key_id(key))
     assert reason(encode(signed), [pub]) == "bad_schema"
 
 
@@ -141,38 +146,39 @@ def test_invalid_route_set_is_never_signed() -> None:
         sign_route_set(route_set(routes=[Route(dst="10.0.0.1/8", via=PEER_B)]), key)
 
 
-def test_replay_guard() -> None:
-    guard = ReplayGuard()
-    assert guard.newest("lab", "a") is None
-    guard.check(route_set(100))
-    with pytest.raises(BusMessageError) as info:
-        guard.check(route_set(99))
-    assert info.value.reason == "replay"
-    with pytest.raises(BusMessageError) as info:
-        guard.check(route_set(100))
-    assert info.value.reason == "duplicate"
-    assert guard.check(route_set(101)).version == 101
-    assert guard.newest("lab", "a") == 101
-    # Per node: b's versions are independent of a's.
-    guard.check(route_set(5, node="b"))
-    # After a restart the agent seeds what it found installed.
-    fresh = ReplayGuard()
-    fresh.seed("lab", "a", 101)
-    fresh.seed("lab", "a", 50)  # never goes back
-    with pytest.raises(BusMessageError):
-        fresh.check(route_set(101))
-    fresh.check(route_set(102))
-
-
-def test_replayed_old_signed_set_refused_end_to_end() -> None:
+def test_signature_is_bound_to_the_kind() -> None:
+    """A status signed by a node's key is worthless as anything else, even relabelled."""
     key, pub = generate_signing_key()
-    old = sign_route_set(route_set(100), key)
-    new = sign_route_set(route_set(200), key)
-    guard = ReplayGuard()
-    guard.check(verify_route_set(new, [pub]))
+    st = AgentStatus(mesh="lab", node="a", online=False, since=1.0, seq=5)
+    data = sign("status", st, key)
+    assert verify_status(data, [pub], mesh="lab", node="a") == st
     with pytest.raises(BusMessageError) as info:
-        guard.check(verify_route_set(old, [pub]))  # valid signature, but old
-    assert info.value.reason == "replay"
+        verify_route_set(data, [pub])
+    assert info.value.reason == "wrong_kind"
+    relabelled = resigned(data, kind="lease")
+    with pytest.raises(BusMessageError) as info:
+        verify_lease(relabelled, [pub], mesh="lab")
+    assert info.value.reason == "bad_signature"
+
+
+def test_telemetry_and_status_bound_to_their_node() -> None:
+    key, pub = generate_signing_key()
+    st = AgentStatus(mesh="lab", node="b", online=True, since=1.0, seq=5)
+    data = sign("status", st, key)
+    for mesh, node in (("lab", "a"), ("other", "b")):
+        with pytest.raises(BusMessageError) as info:
+            verify_status(data, [pub], mesh=mesh, node=node)
+        assert info.value.reason == "wrong_node"
+
+
+def test_key_ring_finds_keys_by_id() -> None:
+    keys = [generate_signing_key() for _ in range(3)]
+    ring = KeyRing(pub for _, pub in keys)
+    ring.add(keys[0][1])  # the same key twice counts once
+    assert len(ring) == 3
+    data = sign_route_set(route_set(), keys[2][0])
+    assert verify_route_set(data, ring) == route_set()
+    assert reason(data, KeyRing()) == "unknown_key"
 
 
 def test_key_files(tmp_path: Path) -> None:

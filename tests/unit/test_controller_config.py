@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from meshopt.cli.main import main
+from meshopt.bus.signing import generate_signing_key
 from meshopt.controller.config import (
     ControllerConfig,
+    Enrolment,
     MetricSettings,
     PolicySettings,
     load_controller_config,
@@ -22,9 +24,13 @@ from meshopt.controller.config import (
 from meshopt.errors import InputError
 from meshopt.metric import Metric
 from meshopt.policy import PolicyConfig
+from meshopt.wireguard.keys import generate_keypair
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "agents" / "controller.toml"
 REQUIRED: dict[str, Any] = {"mesh": "m", "id": "ctl1", "signing_key": "/k"}
+FRA = generate_signing_key()[1]
+WG = generate_keypair()[1]
+NODE_KEYS: dict[str, Any] = {"fra": FRA}
 
 
 def names(cls: type[Any]) -> set[str]:
@@ -33,8 +39,8 @@ def names(cls: type[Any]) -> set[str]:
 
 def test_example_config_names_every_key() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
-    assert set(data) == {"controller", "policy", "metric"}
-    assert set(data["controller"]) == names(ControllerConfig) - {"policy", "metric"}
+    assert set(data) == {"controller", "policy", "metric", "node_keys"}
+    assert set(data["controller"]) == names(ControllerConfig) - {"policy", "metric", "node_keys"}
     assert set(data["policy"]) == names(PolicySettings)
     assert set(data["metric"]) == names(MetricSettings)
 
@@ -43,9 +49,9 @@ def test_example_config_loads_and_shows_the_defaults() -> None:
     cfg = load_controller_config(EXAMPLE)
     assert (cfg.mesh, cfg.id) == ("prod", "ctl1")
     assert cfg.nodes == ("fra", "ams", "nyc")
-    assert cfg.broker == "mqtt://10.0.0.1:1883"
+    assert cfg.broker.url == "mqtt://10.0.0.1:1883"
     # Apart from what names this mesh, the example is the defaults: no surprise either way.
-    site = ("mesh", "id", "signing_key", "broker", "nodes")
+    site = ("mesh", "id", "signing_key", "broker", "nodes", "node_keys")
     defaults = ControllerConfig(**{k: getattr(cfg, k) for k in site})
     assert cfg == defaults
     assert cfg.policy.policy() == PolicyConfig()
@@ -74,14 +80,18 @@ def test_check_command_refuses_a_bad_file_in_one_line(
 
 
 def test_minimal_config_gets_defaults() -> None:
-    cfg = parse_controller_config({"controller": dict(REQUIRED)})
-    assert cfg == ControllerConfig(**REQUIRED)
+    cfg = parse_controller_config({"controller": dict(REQUIRED), "node_keys": NODE_KEYS})
+    assert cfg == ControllerConfig(**REQUIRED, node_keys=(Enrolment("fra", FRA),))
     assert cfg.nodes == () and cfg.policy == PolicySettings()
 
 
 def test_lists_and_numbers_are_coerced() -> None:
     cfg = parse_controller_config(
-        {"controller": {**REQUIRED, "nodes": "fra", "lease_s": 5}, "policy": {"hold_s": 0}}
+        {
+            "controller": {**REQUIRED, "nodes": "fra", "lease_s": 5},
+            "policy": {"hold_s": 0},
+            "node_keys": NODE_KEYS,
+        }
     )
     assert cfg.nodes == ("fra",)
     assert cfg.lease_s == 5.0 and isinstance(cfg.lease_s, float)
@@ -89,7 +99,7 @@ def test_lists_and_numbers_are_coerced() -> None:
 
 
 def ctl(**kw: Any) -> dict[str, Any]:
-    return {"controller": {**REQUIRED, **kw}}
+    return {"controller": {**REQUIRED, **kw}, "node_keys": NODE_KEYS}
 
 
 @pytest.mark.parametrize(
@@ -122,6 +132,16 @@ def ctl(**kw: Any) -> dict[str, Any]:
         (ctl(broker=1883), "broker"),
         (ctl(lease_s=0.5), "lease_s"),
         (ctl(lease_s=3.0, settle_s=3.0), "settle_s"),
+        ({"controller": REQUIRED}, "[node_keys]"),
+        ({**ctl(), "node_keys": {}}, "[node_keys]"),
+        ({**ctl(), "node_keys": {"fra": "not-a-key"}}, "node_keys.fra"),
+        ({**ctl(), "node_keys": {"a b": FRA}}, "node_keys.a b"),
+        ({**ctl(), "node_keys": {"fra": 7}}, "node_keys.fra"),
+        ({**ctl(), "node_keys": {"fra": {"key": FRA, "colour": 1}}}, "node_keys.fra.colour"),
+        ({**ctl(), "node_keys": {"fra": {"key": FRA, "wireguard": ["x"]}}}, "node_keys.fra"),
+        ({**ctl(), "node_keys": {"fra": {"key": FRA, "addresses": ["10.0.0.1"]}}}, "node_keys.fra"),
+        (ctl(nodes=["fra", "ams"]), "ams"),
+        (ctl(controller_keys=["nope"]), "controller_keys"),
     ],
 )
 def test_bad_config_is_one_error_naming_the_key(data: dict[str, Any], names_key: str) -> None:
@@ -131,6 +151,22 @@ def test_bad_config_is_one_error_naming_the_key(data: dict[str, Any], names_key:
     assert msg.startswith("controller.toml: ")
     assert "\n" not in msg
     assert re.search(rf"(^|[\s'(.]){re.escape(names_key)}(?!\w)", msg.split(": ", 1)[1]), msg
+
+
+def test_node_keys_pin_wireguard_keys_and_addresses() -> None:
+    cfg = parse_controller_config(
+        {
+            **ctl(),
+            "node_keys": {
+                "fra": {"key": FRA, "wireguard": [WG], "addresses": ["10.99.0.1/32"]},
+                "ams": FRA,
+            },
+        }
+    )
+    assert cfg.node_keys == (
+        Enrolment("fra", FRA, (WG,), ("10.99.0.1/32",)),
+        Enrolment("ams", FRA),
+    )
 
 
 def test_bad_broker_address_is_refused_when_loading() -> None:

@@ -26,9 +26,8 @@ from meshopt.bus.messages import (
     Route,
     RouteSet,
     Telemetry,
-    encode,
 )
-from meshopt.bus.signing import generate_signing_key, sign_route_set
+from meshopt.bus.signing import generate_signing_key, sign, sign_route_set
 from meshopt.bus.topics import Topics
 from meshopt.cli.main import main
 from meshopt.live import LiveView, assemble, meshes_seen
@@ -41,6 +40,7 @@ NODES = ("n1", "n2", "n3", "n4")
 RTT = {("n1", "n2"): 10.0, ("n1", "n3"): 30.0, ("n1", "n4"): 80.0, ("n2", "n3"): 20.0,
        ("n2", "n4"): 24.0, ("n3", "n4"): 10.0}  # fmt: skip
 ISSUED = 1_700_000_000.0
+NODE_KEY = generate_signing_key()[0]  # the live view shows telemetry; the controller checks it
 Msg = tuple[str, bytes]
 
 
@@ -69,7 +69,7 @@ def telemetry(node: str, mesh: str = MESH, *, skew: Mapping[str, float] | None =
     ]
     t = Telemetry(mesh=mesh, node=node, public_key=key(node), addresses=[addr(node)], seq=1,
                   sent_at=ISSUED, full=True, peers=peers)  # fmt: skip
-    return encode(t)
+    return sign("telemetry", t, NODE_KEY)
 
 
 # Next hops: n1 and n4 relay through n2 to each other, everything else direct.
@@ -104,9 +104,10 @@ def mesh_messages(signer: Ed25519PrivateKey, mesh: str = MESH) -> list[Msg]:
     for n in NODES:
         out.append((t.telemetry(n), telemetry(n, mesh)))
         out.append((t.routes(n), route_set(n, signer, mesh=mesh)))
-        out.append((t.status(n), encode(AgentStatus(mesh=mesh, node=n, online=True, since=1.0))))
+        status = AgentStatus(mesh=mesh, node=n, online=True, since=1.0)
+        out.append((t.status(n), sign("status", status, NODE_KEY)))
     lease = Lease(mesh=mesh, controller="ctl1", term=1, issued_at=1.0, expires_at=9e9)
-    out.append((t.lease(), encode(lease)))
+    out.append((t.lease(), sign("lease", lease, NODE_KEY)))
     return out
 
 
@@ -228,7 +229,8 @@ def test_change_reports_update_the_snapshot_they_follow(signer: Ed25519PrivateKe
     faster = PeerReport(public_key=key("n2"), ifname="wg0", rtt_ms=12.5)
     change = Telemetry(mesh=MESH, node="n1", public_key=key("n1"), addresses=[addr("n1")], seq=2,
                        sent_at=ISSUED + 1, full=False, peers=[faster])  # fmt: skip
-    v = assemble(MESH, [*mesh_messages(signer), (Topics(MESH).telemetry("n1"), encode(change))])
+    signed = sign("telemetry", change, NODE_KEY)
+    v = assemble(MESH, [*mesh_messages(signer), (Topics(MESH).telemetry("n1"), signed)])
     assert v.measured_rtt("n1", "n2") == 12.5 and v.measured_rtt("n1", "n3") == 30.0
 
 

@@ -1,0 +1,360 @@
+"""The controller's decisions, without I/O (Faucet's ``valve`` style): data in, actions out.
+
+:class:`ControllerCore` takes each bus message with the clocks (``now`` monotonic,
+``wall`` unix time) and returns the messages to publish; the asyncio shell
+(meshopt.controller.daemon) only moves bytes between the broker and here. Tests drive
+it with plain calls.
+
+What it trusts, in order (each refusal is one dropped message and one counter, named
+``<kind>_<reason>``; nothing a message contains can raise out of here):
+
+* telemetry and status of node N: signed by N's enrolled identity key, for this mesh and
+  N (the topic's), not from the future (``max_skew_s``), newer than the last accepted
+  (per-node sequence), claiming only pinned WireGuard keys and addresses when the
+  enrolment pins them, and no key or address another node already owns (the view);
+* an offline status (the will): only for the agent's current broker session, so an old
+  will replayed cannot take a live node out of routing;
+* leases, controller status and retained route sets: signed by a controller key, with
+  terms and versions the clock can explain and a lease lifetime of at most
+  ``MAX_LEASE_FACTOR`` x ``lease_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from meshopt.bus.freshness import (
+    MAX_AGE_S,
+    SequenceGuard,
+    check_time,
+    first_seq,
+    seq_ceiling,
+    term_ceiling,
+)
+from meshopt.bus.messages import (
+    BusMessageError,
+    ControllerStatus,
+    Counters,
+    Route,
+    RouteSet,
+    Telemetry,
+)
+from meshopt.bus.signing import (
+    KeyRing,
+    key_id,
+    sign,
+    verify_controller_status,
+    verify_lease,
+    verify_route_set,
+    verify_status,
+    verify_telemetry,
+)
+from meshopt.bus.topics import Topics
+from meshopt.controller.config import ControllerConfig, Enrolment
+from meshopt.controller.engine import Computed, RouteEngine
+from meshopt.controller.lease import LeaseKeeper, check_lease
+from meshopt.controller.view import MeshView, TelemetryRefused
+
+log = logging.getLogger("meshopt.controller")
+
+
+@dataclass(frozen=True)
+class Publish:
+    """One message to publish; ``node``/``routes`` mark a route set (reported back)."""
+
+    topic: str
+    payload: bytes
+    retain: bool = False
+    qos: int = 1
+    node: str | None = None
+    routes: tuple[Route, ...] = ()
+
+
+def _normal(prefix: str) -> str:
+    return str(ipaddress.ip_network(prefix, strict=False))
+
+
+class ControllerCore:
+    def __init__(self, cfg: ControllerConfig, key: Ed25519PrivateKey) -> None:
+        self.cfg = cfg
+        self.key = key
+        self.key_id = key_id(key)
+        self.topics = Topics(cfg.mesh)
+        self.counters = Counters("controller dropped", log)
+        self.controllers = KeyRing([key.public_key(), *cfg.controller_keys])
+        self.enrolled: dict[str, Enrolment] = {e.node: e for e in cfg.node_keys}
+        self.node_rings = {e.node: KeyRing([e.key]) for e in cfg.node_keys}
+        self.pinned_keys = {e.node: set(e.wireguard) for e in cfg.node_keys if e.wireguard}
+        self.pinned_addrs = {
+            e.node: {_normal(a) for a in e.addresses} for e in cfg.node_keys if e.addresses
+        }
+        self.view = MeshView(
+            cfg.mesh,
+            metric=cfg.metric.metric(),
+            stale_after_s=cfg.stale_after_s,
+            allowed=sorted(self.enrolled),
+        )
+        self.engine = RouteEngine(
+            cfg.policy.policy(),
+            relay_hop_ms=cfg.metric.relay_hop_ms,
+            symmetric=cfg.symmetric,
+            bulk=cfg.bulk,
+        )
+        self.lease = LeaseKeeper(cfg.mesh, cfg.id, lease_s=cfg.lease_s, settle_s=cfg.settle_s)
+        self.telemetry_seq = SequenceGuard(cfg.max_skew_s)
+        self.status_seq: dict[str, int] = {}
+        self.session: dict[str, int] = {}  # per node: the broker session of its telemetry
+        self.controller_since: dict[str, float] = {}
+        self.retained_sets: dict[str, RouteSet] = {}
+        self.published: dict[str, list[Route]] = {}
+        self.version = 0
+        self.dirty_since: float | None = None
+        self.urgent = False
+        self.last: Computed | None = None
+        self.recomputes = 0
+        self.accepted = 0
+
+    # --- our own status -----------------------------------------------------------------
+
+    def status(self, online: bool, wall: float) -> bytes:
+        role: Literal["active", "standby"] = "active" if self.lease.role == "active" else "standby"
+        cs = ControllerStatus(controller=self.cfg.id, online=online, role=role, since=wall)
+        return sign("controller_status", cs, self.key, self.key_id)
+
+    def on_connect(self, wall: float) -> list[Publish]:
+        return [Publish(self.topics.controller_status(self.cfg.id), self.status(True, wall), True)]
+
+    # --- input --------------------------------------------------------------------------
+
+    def mark_dirty(self, now: float, urgent: bool = False) -> None:
+        if self.dirty_since is None:
+            self.dirty_since = now
+        self.urgent = self.urgent or urgent
+
+    def on_message(
+        self, topic: str, payload: bytes, retained: bool, now: float, wall: float
+    ) -> list[Publish]:
+        """Take one bus message; it never raises (a refusal is counted)."""
+        parsed = self.topics.parse(topic)
+        if parsed is None or not payload:  # not ours, or a cleared retained message
+            return []
+        kind, name = parsed
+        try:
+            if kind == "telemetry":
+                self.on_telemetry(name, payload, retained, now, wall)
+            elif kind == "status":
+                self.on_status(name, payload, now, wall)
+            elif kind == "routes":
+                self.on_route_set(name, payload, wall)
+            elif kind == "lease":
+                self.on_lease(payload, wall)
+            elif kind == "controller_status":
+                self.on_controller_status(name, payload, wall)
+            self.accepted += 1
+        except (BusMessageError, TelemetryRefused) as exc:
+            self.counters.count(f"{kind}_{exc.reason}", str(exc))
+        except Exception as exc:  # a bug here must cost one message, not the controller
+            self.counters.count(f"{kind}_internal_error", repr(exc), exc_info=exc)
+        return []
+
+    def _ring(self, node: str) -> KeyRing:
+        ring = self.node_rings.get(node)
+        if ring is None:
+            raise BusMessageError("unknown_node", f"{node} is not enrolled")
+        return ring
+
+    def _check_pins(self, t: Telemetry) -> None:
+        keys = self.pinned_keys.get(t.node)
+        if keys is not None:
+            for k in t.public_keys or [t.public_key]:
+                if k not in keys:
+                    raise TelemetryRefused("unpinned_key", f"{t.node} claims {k[:8]}…")
+        addrs = self.pinned_addrs.get(t.node)
+        if addrs is not None:
+            for a in t.addresses:
+                if _normal(a) not in addrs:
+                    raise TelemetryRefused("unpinned_address", f"{t.node} claims {a}")
+
+    def on_telemetry(
+        self, name: str, payload: bytes, retained: bool, now: float, wall: float
+    ) -> None:
+        t = verify_telemetry(payload, self._ring(name), mesh=self.cfg.mesh, node=name)
+        # A retained snapshot may be old (the view ages it); a live one is recent.
+        check_time(
+            t.sent_at,
+            wall,
+            max_skew_s=self.cfg.max_skew_s,
+            max_age_s=None if retained else MAX_AGE_S,
+        )
+        self.telemetry_seq.check(name, t.seq, wall)
+        self._check_pins(t)
+        # A retained snapshot may be old: its age counts (fresh ones are timed by
+        # arrival, which needs no clock agreement between hosts).
+        self.view.take(name, t, now, wall if retained else None)
+        self.telemetry_seq.accept(name, t.seq)
+        self.session[name] = max(t.session, self.session.get(name, 0))
+        self.mark_dirty(now)
+
+    def on_status(self, name: str, payload: bytes, now: float, wall: float) -> None:
+        st = verify_status(payload, self._ring(name), mesh=self.cfg.mesh, node=name)
+        check_time(st.since, wall, max_skew_s=self.cfg.max_skew_s, max_age_s=None)
+        if st.seq > seq_ceiling(wall, self.cfg.max_skew_s):
+            raise BusMessageError("bad_seq", f"{name}: seq {st.seq} runs ahead of the clock")
+        last = self.status_seq.get(name)
+        if st.online:
+            if last is not None and st.seq <= last:
+                raise BusMessageError("replay", f"{name}: online status seq {st.seq} <= {last}")
+            self.status_seq[name] = st.seq
+            return
+        # Offline: the will (or a clean stop) of the session the node is in now, not of
+        # one before it.
+        current = max(last or 0, self.session.get(name, 0))
+        if st.seq < current:
+            raise BusMessageError("replay", f"{name}: offline for session {st.seq} < {current}")
+        self.status_seq[name] = st.seq
+        if self.view.set_offline(name, st.reason or "offline"):
+            log.warning("node %s offline (%s): routing around it", name, st.reason)
+            self.mark_dirty(now, urgent=True)
+
+    def _check_route_set(self, rs: RouteSet, wall: float) -> None:
+        if rs.version > seq_ceiling(wall, self.cfg.max_skew_s):
+            raise BusMessageError("bad_version", f"version {rs.version} runs ahead of the clock")
+        if rs.term > term_ceiling(wall, self.cfg.max_skew_s):
+            raise BusMessageError("term_jump", f"term {rs.term} runs ahead of the clock")
+
+    def on_route_set(self, name: str, payload: bytes, wall: float) -> None:
+        """A retained route set (ours or another controller's): what agents have."""
+        rs = verify_route_set(payload, self.controllers, mesh=self.cfg.mesh, node=name)
+        self._check_route_set(rs, wall)
+        self.retained_sets[name] = rs
+        self.version = max(self.version, rs.version)
+
+    def on_lease(self, payload: bytes, wall: float) -> None:
+        lease = verify_lease(payload, self.controllers, mesh=self.cfg.mesh)
+        check_lease(lease, wall, lease_s=self.cfg.lease_s, max_skew_s=self.cfg.max_skew_s)
+        self.lease.on_lease(lease)
+
+    def on_controller_status(self, name: str, payload: bytes, wall: float) -> None:
+        cs = verify_controller_status(payload, self.controllers, controller=name)
+        check_time(cs.since, wall, max_skew_s=self.cfg.max_skew_s, max_age_s=None)
+        since = self.controller_since.get(name)
+        if cs.online:
+            self.controller_since[name] = max(cs.since, since if since is not None else cs.since)
+            return
+        # A will carries the time its session began: one from an older session is a replay.
+        if since is not None and cs.since < since:
+            raise BusMessageError("replay", f"offline status of {name} from an older session")
+        self.lease.on_controller_offline(cs.controller)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def dropped(self) -> dict[str, int]:
+        """Everything refused or left out so far, by reason (messages, fields, routes)."""
+        out = self.counters.snapshot()
+        for k, n in self.view.dropped.snapshot().items():
+            out[f"field_{k}"] = n
+        for k, n in self.engine.counters.snapshot().items():
+            out[f"engine_{k}"] = n
+        return out
+
+    def may_publish(self, wall: float) -> bool:
+        return self.lease.may_publish(wall)
+
+    def tick(self, now: float, wall: float) -> list[Publish]:
+        """Advance the lease, expire stale nodes, recompute when due; what to publish."""
+        out: list[Publish] = []
+        was_active = self.lease.role == "active"
+        lease = self.lease.tick(wall)
+        if lease is not None:
+            out.append(
+                Publish(self.topics.lease(), sign("lease", lease, self.key, self.key_id), True)
+            )
+        active = self.lease.role == "active"
+        if active and not was_active:
+            log.info("controller %s active (term %d)", self.cfg.id, self.lease.term)
+            self.engine.adopt(self.view, self.retained_sets, now)
+            self.published = {n: list(rs.routes) for n, rs in self.retained_sets.items()}
+            out += self.on_connect(wall)
+            self.mark_dirty(now, urgent=True)
+        elif was_active and not active:
+            log.warning("controller %s is standby now (another holds a newer lease)", self.cfg.id)
+            out += self.on_connect(wall)
+        for name in self.view.expire(now):
+            log.warning("node %s: telemetry stale, routing around it", name)
+            self.mark_dirty(now, urgent=True)
+        if self.dirty_since is None or not self.lease.may_publish(wall):
+            return out
+        if not self.view.ready(now, self.cfg.warmup_s, self.cfg.warmup_samples):
+            return out
+        if not self.urgent and now - self.dirty_since < self.cfg.debounce_s:
+            return out
+        self.dirty_since = None
+        self.urgent = False
+        try:
+            out += self.recompute(now, wall)
+        except Exception as exc:  # keep the routes agents have; try again on the next change
+            self.counters.count("recompute_failed", repr(exc), exc_info=exc)
+        return out
+
+    def recompute(self, now: float, wall: float) -> list[Publish]:
+        if not self.view.nodes:
+            return []
+        policy = None
+        first = self.view.first_seen
+        if first is not None and now - first < self.cfg.startup_s:
+            # The first routes rest on young estimates: let better ones replace them
+            # after a short hold instead of the full one.
+            policy = dataclasses.replace(
+                self.engine.policy, hold_s=min(self.engine.policy.hold_s, self.cfg.startup_hold_s)
+            )
+        c = self.engine.compute(self.view, now, policy)
+        self.last = c
+        self.recomputes += 1
+        for node, reason in c.errors.items():
+            self.counters.count("routes_unbuildable", f"{node}: {reason}")
+        changed = int(c.decision.changed.sum())
+        if changed:
+            log.info(
+                "routes: %d entries changed (%d failed, %d improved)",
+                changed,
+                int(c.decision.failed.sum()),
+                int(c.decision.improved.sum()),
+            )
+        out: list[Publish] = []
+        for node, routes in c.routes.items():
+            if self.published.get(node) == routes:
+                continue
+            self.version = max(self.version + 1, first_seq(wall))
+            rs = RouteSet(
+                mesh=self.cfg.mesh,
+                node=node,
+                version=self.version,
+                issued_at=wall,
+                controller=self.cfg.id,
+                term=self.lease.term,
+                routes=routes,
+            )
+            try:
+                payload = sign("routes", rs, self.key, self.key_id)
+            except BusMessageError as exc:  # one node's set is unusable; the rest go out
+                self.counters.count("routes_unbuildable", f"{node}: {exc}")
+                continue
+            out.append(
+                Publish(self.topics.routes(node), payload, True, node=node, routes=tuple(routes))
+            )
+        return out
+
+    def published_ok(self, action: Publish, ok: bool, now: float) -> None:
+        """The shell's report on a route set: published, or to retry once the bus is back."""
+        if action.node is None:
+            return
+        if ok:
+            self.published[action.node] = list(action.routes)
+        else:
+            self.mark_dirty(now)
