@@ -150,9 +150,7 @@ class AgentCore:
             raise BusMessageError("replay", f"version {rs.version} <= {installed}")
         if rs.term < self.state.term:
             # A deposed controller that has not noticed yet: a newer term has spoken.
-            raise BusMessageError(
-                "old_term", f"{rs.controller} term {rs.term} < {self.state.term}"
-            )
+            raise BusMessageError("old_term", f"{rs.controller} term {rs.term} < {self.state.term}")
         self.route_set = rs
         save = rs.version != installed or rs.term != self.state.term
         self.state.version = rs.version

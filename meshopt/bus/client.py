@@ -279,8 +279,8 @@ def check_broker_settings(settings: BrokerSettings, *, where: str = "broker.") -
         mode = os.stat(settings.password_file).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             log.warning(
-                "%spassword_file %s is readable by group or others (mode %o): chmod 600 it",
-                where,
+                "%s %s is readable by group or others (mode %o): chmod 600 it",
+                _key(where, "password_file"),
                 settings.password_file,
                 stat.S_IMODE(mode),
             )

@@ -142,9 +142,12 @@ class ControllerCore:
     ) -> list[Publish]:
         """Take one bus message; it never raises (a refusal is counted)."""
         parsed = self.topics.parse(topic)
-        if parsed is None or not payload:  # not ours, or a cleared retained message
+        if parsed is None:
             return []
         kind, name = parsed
+        if not payload:  # a cleared retained message: nothing to take
+            self.counters.count(f"{kind}_cleared", topic)
+            return []
         try:
             if kind == "telemetry":
                 self.on_telemetry(name, payload, retained, now, wall)
@@ -232,6 +235,11 @@ class ControllerCore:
         """A retained route set (ours or another controller's): what agents have."""
         rs = verify_route_set(payload, self.controllers, mesh=self.cfg.mesh, node=name)
         self._check_route_set(rs, wall)
+        old = self.retained_sets.get(name)
+        if old is not None and rs.version <= old.version:
+            if rs.version < old.version:  # an old set played back: agents refuse it too
+                raise BusMessageError("replay", f"{name}: version {rs.version} < {old.version}")
+            return
         self.retained_sets[name] = rs
         self.version = max(self.version, rs.version)
 

@@ -32,7 +32,7 @@ from meshopt.lab.lab import Lab
 from meshopt.lab.netns import create_netns, delete_netns, list_netns, netns_exists
 from meshopt.lab.procs import tagged_pids
 
-from .tools import need_tools
+from .tools import lab_required, need_tools
 
 __all__ = ["Lab", "need_tools"]
 
@@ -63,9 +63,15 @@ def _lab_unavailable() -> str | None:
 
 @pytest.fixture(scope="session")
 def lab_ok() -> None:
-    """Skip (with the reason) where namespaces or TUN devices are unavailable."""
+    """Skip (with the reason) where namespaces or TUN devices are unavailable.
+
+    With ``MESHOPT_REQUIRE_LAB=1`` (CI sets it) that is a failure instead: a machine that
+    should run the lab tests must not pass by skipping them.
+    """
     reason = _lab_unavailable()
     if reason:
+        if lab_required():
+            pytest.fail(f"MESHOPT_REQUIRE_LAB=1 but {reason}", pytrace=False)
         pytest.skip(reason)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +34,8 @@ from meshopt.wireguard import (
 )
 from meshopt.wireguard.kernel import create_kernel_interface
 from meshopt.wireguard.uapi import DEFAULT_RUN_DIR, check_set_reply
+
+from .tools import need_tools
 
 pytestmark = pytest.mark.lab
 
@@ -93,8 +94,7 @@ class Net:
 @pytest.fixture
 def make_net(lab_ok: None) -> Iterator[Callable[[int], Net]]:
     """``make_net(n)``: n fresh namespaces (lo up); processes stopped, namespaces deleted."""
-    if shutil.which("wireguard-go") is None:
-        pytest.skip("needs wireguard-go (apt install wireguard-go)")
+    need_tools("wireguard-go")
     made: list[Net] = []
 
     def make(n: int) -> Net:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from meshopt.cli.main import main
 from meshopt.bus.signing import generate_signing_key
+from meshopt.cli.main import main
 from meshopt.controller.config import (
     ControllerConfig,
     Enrolment,

@@ -373,3 +373,16 @@ def test_a_message_that_breaks_the_core_costs_one_message(
     rig.report("b")  # the next message is handled as usual
     assert rig.count("telemetry_internal_error") == n0 + 1
     assert rig.via("a", "c") == "b"
+
+
+def test_an_older_route_set_played_back_is_not_adopted(rig: Rig) -> None:
+    current = rig.core.retained_sets["a"]
+    old = RouteSet(
+        mesh=MESH, node="a", version=current.version - 1, issued_at=rig.wall, controller="x", term=1
+    )
+    attack(
+        rig,
+        "routes_replay",
+        lambda: rig.deliver(TOPICS.routes("a"), sign("routes", old, rig.key), True),
+    )
+    assert rig.core.retained_sets["a"] == current
