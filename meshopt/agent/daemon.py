@@ -467,9 +467,7 @@ class Agent:
             )
             # Full snapshots are retained: a controller or `meshopt routes` that starts
             # later gets every node's latest picture at once.
-            if await self.bus.publish(
-                self.topics.telemetry(self.cfg.node), msg, retain=full
-            ):
+            if await self.bus.publish(self.topics.telemetry(self.cfg.node), msg, retain=full):
                 self.last_published = reports
                 if full:
                     self.last_full = now

@@ -142,7 +142,7 @@ def parse_node_keys(table: object) -> tuple[Enrolment, ...]:
     if table is None or table == {}:
         raise InputError(
             "no [node_keys]: enrol each node's identity key (meshopt agent keygen prints it),"
-            " e.g. [node_keys] a = \"BASE64KEY\""
+            ' e.g. [node_keys] a = "BASE64KEY"'
         )
     if not isinstance(table, dict):
         raise InputError("[node_keys] must be a table of node = key")

@@ -41,6 +41,7 @@ from meshopt.bus.messages import (
     BusMessageError,
     ControllerStatus,
     Counters,
+    Lease,
     Route,
     RouteSet,
     Telemetry,
@@ -119,6 +120,9 @@ class ControllerCore:
         self.last: Computed | None = None
         self.recomputes = 0
         self.accepted = 0
+        # What we published last per topic: the broker echoes it back to us, and our own
+        # bytes need no signature check (a fifth of the core's CPU at 50 nodes).
+        self._own: dict[str, tuple[bytes, RouteSet | Lease]] = {}
 
     # --- our own status -----------------------------------------------------------------
 
@@ -149,7 +153,10 @@ class ControllerCore:
             self.counters.count(f"{kind}_cleared", topic)
             return []
         try:
-            if kind == "telemetry":
+            own = self._own.get(topic)
+            if own is not None and own[0] == payload:
+                self._take_own(name, own[1])
+            elif kind == "telemetry":
                 self.on_telemetry(name, payload, retained, now, wall)
             elif kind == "status":
                 self.on_status(name, payload, now, wall)
@@ -165,6 +172,13 @@ class ControllerCore:
         except Exception as exc:  # a bug here must cost one message, not the controller
             self.counters.count(f"{kind}_internal_error", repr(exc), exc_info=exc)
         return []
+
+    def _take_own(self, name: str, msg: RouteSet | Lease) -> None:
+        if isinstance(msg, Lease):
+            self.lease.on_lease(msg)
+        else:
+            self.retained_sets[name] = msg
+            self.version = max(self.version, msg.version)
 
     def _ring(self, node: str) -> KeyRing:
         ring = self.node_rings.get(node)
@@ -280,9 +294,9 @@ class ControllerCore:
         was_active = self.lease.role == "active"
         lease = self.lease.tick(wall)
         if lease is not None:
-            out.append(
-                Publish(self.topics.lease(), sign("lease", lease, self.key, self.key_id), True)
-            )
+            payload = sign("lease", lease, self.key, self.key_id)
+            self._own[self.topics.lease()] = (payload, lease)
+            out.append(Publish(self.topics.lease(), payload, True))
         active = self.lease.role == "active"
         if active and not was_active:
             log.info("controller %s active (term %d)", self.cfg.id, self.lease.term)
@@ -350,6 +364,7 @@ class ControllerCore:
             )
             try:
                 payload = sign("routes", rs, self.key, self.key_id)
+                self._own[self.topics.routes(node)] = (payload, rs)
             except BusMessageError as exc:  # one node's set is unusable; the rest go out
                 self.counters.count("routes_unbuildable", f"{node}: {exc}")
                 continue

@@ -1,0 +1,282 @@
+#!/usr/bin/env python3
+"""What signatures cost the controller: its core fed a 50-node mesh, with and without them.
+
+The controller core (meshopt.controller.core, the same code the daemon runs) takes the
+telemetry of N agents for a simulated minute: every agent reports once a second (a full
+snapshot of its N-1 peers every 5 s, a change report of a few peers otherwise, the
+worst case of the agent's telemetry rules), ticks run at the daemon's 20 Hz, and route
+sets are signed and published whenever they change. The same workload runs twice,
+interleaved: "signed" (every message verified against the sender's enrolled key, every
+route set, lease and status signed), and "baseline" (the envelopes opened without
+checking, nothing signed: the controller as it was before signatures). CPU time is
+the process's own (time.process_time); medians of --runs pairs. The whole-run ratio
+swings by +-10 % with other load on a shared machine, so the figure judged against the
+goal is the extra time inside the envelope functions (verify_* and sign, timed in both
+modes) over the rest of the core's CPU. Goal: at most 5 % extra controller CPU at 50
+nodes.
+
+    .venv/bin/python scripts/bench_signing.py
+    .venv/bin/python scripts/bench_signing.py --nodes 50 --runs 5 --baseline old.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import meshopt.controller.core as core_mod
+from meshopt.bus.freshness import first_seq
+from meshopt.bus.messages import (
+    AgentStatus,
+    ControllerStatus,
+    Lease,
+    PeerReport,
+    RouteSet,
+    Signed,
+    Telemetry,
+    decode,
+    encode,
+)
+from meshopt.bus.signing import generate_signing_key, sign, unsigned_payload
+from meshopt.bus.topics import Topics
+from meshopt.controller.config import ControllerConfig, Enrolment
+from meshopt.controller.core import ControllerCore
+from meshopt.wireguard.keys import generate_keypair
+
+MESH = "bench"
+T0 = 1_800_000_000.0
+
+
+def _unchecked(kind: Any, type_: Any) -> Callable[..., Any]:
+    def open_(data: bytes, trusted: Any, **kw: Any) -> Any:
+        return decode(unsigned_payload(data, kind), type_)
+
+    return open_
+
+
+def _unsigned_sign(kind: Any, msg: Any, key: Any, kid: str | None = None) -> bytes:
+    return encode(Signed(kind=kind, payload=encode(msg), signature=b"", key_id=""))
+
+
+@contextmanager
+def baseline() -> Iterator[None]:
+    """The core with signatures neither checked nor made."""
+    saved = {name: getattr(core_mod, name) for name in dir(core_mod) if name.startswith("verify")}
+    saved["sign"] = core_mod.sign
+    core_mod.verify_telemetry = _unchecked("telemetry", Telemetry)  # type: ignore[assignment]
+    core_mod.verify_status = _unchecked("status", AgentStatus)  # type: ignore[assignment]
+    core_mod.verify_lease = _unchecked("lease", Lease)  # type: ignore[assignment]
+    core_mod.verify_route_set = _unchecked("routes", RouteSet)  # type: ignore[assignment]
+    core_mod.verify_controller_status = _unchecked("controller_status", ControllerStatus)  # type: ignore[assignment]
+    core_mod.sign = _unsigned_sign  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(core_mod, name, fn)
+
+
+class Workload:
+    """N agents on a geographic-ish mesh: RTT from positions, a little noise."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        rng = random.Random(seed)
+        self.names = [f"n{i:03d}" for i in range(n)]
+        self.ids = {x: generate_signing_key() for x in self.names}
+        self.wg = {x: generate_keypair()[1] for x in self.names}
+        self.addr = {x: f"10.{i // 250}.{i % 250}.1/32" for i, x in enumerate(self.names)}
+        pos = {x: (rng.uniform(-60, 60), rng.uniform(-180, 180)) for x in self.names}
+        self.rtt = {
+            (a, b): 2.0 + 0.02 * math.dist(pos[a], pos[b]) * rng.uniform(1.0, 2.5)
+            for a in self.names
+            for b in self.names
+            if a != b
+        }
+        self.rng = rng
+
+    def messages(self, seconds: int) -> list[list[tuple[str, bytes]]]:
+        """Per simulated second, every agent's one signed telemetry message."""
+        t = Topics(MESH)
+        seq = {x: first_seq(T0) for x in self.names}
+        out = []
+        for s in range(seconds):
+            batch = []
+            for x in self.names:
+                full = s % 5 == 0
+                peers = [y for y in self.names if y != x]
+                if not full:
+                    peers = self.rng.sample(peers, min(5, len(peers)))
+                reports = [
+                    PeerReport(
+                        public_key=self.wg[y],
+                        ifname="wg0",
+                        alive=True,
+                        rtt_ms=round(self.rtt[(x, y)] * self.rng.uniform(0.97, 1.03), 3),
+                        jitter_ms=0.2,
+                        noise_ms=0.1,
+                        loss=0.0,
+                        samples=64,
+                    )
+                    for y in peers
+                ]
+                seq[x] += 1
+                tel = Telemetry(
+                    mesh=MESH,
+                    node=x,
+                    public_key=self.wg[x],
+                    public_keys=[self.wg[x]],
+                    addresses=[self.addr[x]],
+                    seq=seq[x],
+                    session=first_seq(T0),
+                    sent_at=T0 + s,
+                    full=full,
+                    peers=reports,
+                )
+                batch.append((t.telemetry(x), sign("telemetry", tel, self.ids[x][0])))
+            out.append(batch)
+        return out
+
+    def config(self) -> ControllerConfig:
+        return ControllerConfig(
+            mesh=MESH,
+            id="ctl1",
+            signing_key="/unused",
+            node_keys=tuple(Enrolment(x, self.ids[x][1]) for x in self.names),
+            warmup_s=0.0,
+            warmup_samples=1,
+        )
+
+
+@contextmanager
+def timed(inside: list[float]) -> Iterator[None]:
+    """Sum the CPU time spent in the core's verify_* and sign calls into ``inside[0]``."""
+    names = [n for n in dir(core_mod) if n.startswith("verify")] + ["sign"]
+    saved = {n: getattr(core_mod, n) for n in names}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            t = time.process_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                inside[0] += time.process_time() - t
+
+        return call
+
+    for n, fn in saved.items():
+        setattr(core_mod, n, wrap(fn))
+    try:
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(core_mod, n, fn)
+
+
+def run_once(w: Workload, batches: list[list[tuple[str, bytes]]], signed: bool) -> dict[str, Any]:
+    key, _ = generate_signing_key()
+    ctx = contextmanager(lambda: iter([None]))() if signed else baseline()
+    inside = [0.0]
+    with ctx, timed(inside):
+        core = ControllerCore(w.config(), key)
+        now, wall = 100.0, T0
+        published = 0
+        cpu0 = time.process_time()
+        for batch in batches:
+            for i, (topic, payload) in enumerate(batch):
+                actions = core.on_message(topic, payload, False, now, wall)
+                if i % 3 == 0:  # ticks interleave with arrivals at 20 Hz
+                    actions += core.tick(now, wall)
+                for a in actions:
+                    core.published_ok(a, True, now)
+                    published += 1
+                    core.on_message(a.topic, a.payload, False, now, wall)  # the broker echo
+            for _ in range(20):
+                now += 0.05
+                wall += 0.05
+                for a in core.tick(now, wall):
+                    core.published_ok(a, True, now)
+                    published += 1
+                    core.on_message(a.topic, a.payload, False, now, wall)
+        cpu = time.process_time() - cpu0
+    refused = sum(core.counters.snapshot().values())
+    return {
+        "cpu_s": cpu,
+        "inside_s": inside[0],
+        "published": published,
+        "refused": refused,
+        "recomputes": core.recomputes,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=50)
+    ap.add_argument("--seconds", type=int, default=60, help="simulated seconds per run")
+    ap.add_argument("--runs", type=int, default=3, help="signed/baseline pairs")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--baseline", type=Path, help="an earlier JSON output to compare with")
+    args = ap.parse_args()
+    w = Workload(args.nodes, args.seed)
+    # Time goes first to the core: sign the agents' messages before measuring.
+    batches = w.messages(args.seconds)
+    n_msgs = sum(len(b) for b in batches)
+    run_once(w, batches[:3], True)  # warm-up (imports, caches), not counted
+    run_once(w, batches[:3], False)
+    pairs = []
+    for i in range(args.runs):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        got = {s: run_once(w, batches, s) for s in order}
+        pairs.append(got)
+    signed = [p[True]["cpu_s"] for p in pairs]
+    base = [p[False]["cpu_s"] for p in pairs]
+    ratios = [p[True]["cpu_s"] / p[False]["cpu_s"] - 1.0 for p in pairs]
+    assert all(p[True]["refused"] == 0 for p in pairs), "honest messages refused"
+    # The robust figure: the extra time inside the envelope functions (verify_*/sign,
+    # with and without signatures) over the rest of the core's work, per pair. Load on
+    # the machine scales both alike; the whole-run ratio above swings with it.
+    shares = [
+        (p[True]["inside_s"] - p[False]["inside_s"]) / (p[True]["cpu_s"] - p[True]["inside_s"])
+        for p in pairs
+    ]
+    out: dict[str, Any] = {
+        "nodes": args.nodes,
+        "simulated_s": args.seconds,
+        "messages_in": n_msgs,
+        "route_sets_and_leases_out": pairs[0][True]["published"],
+        "cpu_signed_s": [round(x, 3) for x in signed],
+        "cpu_baseline_s": [round(x, 3) for x in base],
+        "extra_cpu_pct_runs": [round(100 * r, 2) for r in ratios],
+        "extra_cpu_pct_median": round(100 * statistics.median(ratios), 2),
+        "signed_core_share_of_one_core_pct": round(
+            100 * statistics.median(signed) / args.seconds, 2
+        ),
+        "verify_and_sign_us_per_message_in": round(
+            1e6 * (statistics.median(signed) - statistics.median(base)) / n_msgs, 1
+        ),
+        "signature_cpu_pct_of_core_runs": [round(100 * x, 2) for x in shares],
+        "signature_cpu_pct_of_core_median": round(100 * statistics.median(shares), 2),
+        "goal_extra_cpu_pct": 5.0,
+        "python": platform.python_version(),
+    }
+    out["pass"] = out["signature_cpu_pct_of_core_median"] <= out["goal_extra_cpu_pct"]
+    if args.baseline is not None:
+        old = json.loads(args.baseline.read_text())
+        out["baseline_extra_cpu_pct_median"] = old.get("extra_cpu_pct_median")
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
