@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import pytest
 from meshopt.bus.client import client_kwargs
 from meshopt.bus.messages import decode_lease, decode_telemetry
 from meshopt.bus.signing import load_private_key, unsigned_payload
-from meshopt.lab.agents import controller_key, controller_log, identity_key
+from meshopt.lab.agents import controller_key, identity_key
 from meshopt.lab.lab import Lab
 from meshopt.lab.measure import route_quality
 from meshopt.lab.mesh import LiveMesh, wait_until
@@ -34,7 +33,7 @@ from meshopt.lab.state import lab_dir
 
 from .conftest import EXAMPLES, new_lab_id
 from .hostile import Honest, Hostile, generate
-from .tools import need_tools
+from .tools import controller_tally, need_tools
 
 pytestmark = pytest.mark.lab
 
@@ -175,11 +174,6 @@ def capture(mesh: LiveMesh) -> Honest:
     )
 
 
-def dropped_tally(lab: Lab, cid: str) -> dict[str, int]:
-    lines = re.findall(r"dropped so far: (\{.*\})", controller_log(lab, cid))
-    return json.loads(lines[-1]) if lines else {}
-
-
 def agent_tally(lab: Lab) -> dict[str, int]:
     out: Counter[str] = Counter()
     m = f"meshopt/{lab.plan.name}"
@@ -195,7 +189,7 @@ def test_fuzzed_control_plane_keeps_every_honest_route(mesh: LiveMesh) -> None:
     honest = capture(mesh)
     before = fast_hops(mesh)
     agents_before = agent_tally(lab)
-    ctl_before = {c: sum(dropped_tally(lab, c).values()) for c in mesh.controllers}
+    ctl_before = {c: sum(controller_tally(lab, c).values()) for c in mesh.controllers}
     messages = list(generate(honest, seed=11, n=FUZZ_MESSAGES))
     assert len(messages) >= 2000
     started = time.monotonic()
@@ -206,8 +200,8 @@ def test_fuzzed_control_plane_keeps_every_honest_route(mesh: LiveMesh) -> None:
     assert not dead, f"died: {dead}\n{mesh.logs()}"
     after = fast_hops(mesh)
     assert after == before, f"installed routes moved:\n{before}\n{after}"
-    ctl_refused = {c: sum(dropped_tally(lab, c).values()) - ctl_before[c] for c in ctl_before}
-    reasons = {c: dropped_tally(lab, c) for c in ctl_before}
+    ctl_refused = {c: sum(controller_tally(lab, c).values()) - ctl_before[c] for c in ctl_before}
+    reasons = {c: controller_tally(lab, c) for c in ctl_before}
     # A restarted controller reads the hostile retained messages again and survives.
     holder = lease_holder(lab)
     mesh.stop_controller(holder, kill=True)

@@ -20,8 +20,13 @@ from typing import Any
 
 import pytest
 
-from meshopt.bus.messages import Route, RouteSet, decode_route_set, decode_signed_route_set
-from meshopt.bus.signing import generate_signing_key, load_private_key, sign_route_set
+from meshopt.bus.messages import Route, RouteSet, decode_route_set
+from meshopt.bus.signing import (
+    generate_signing_key,
+    load_private_key,
+    sign_route_set,
+    unsigned_payload,
+)
 from meshopt.lab.agents import controller_key
 from meshopt.lab.lab import Lab
 from meshopt.lab.mesh import LiveMesh, wait_until
@@ -74,7 +79,7 @@ def telemetry(lab: Lab, node: str) -> dict[str, Any]:
     for _ in range(3):
         msgs = bus_read(lab, f"meshopt/{lab.plan.name}/telemetry/{node}")
         if msgs and msgs[0]:
-            out: dict[str, Any] = json.loads(msgs[0])
+            out: dict[str, Any] = json.loads(unsigned_payload(msgs[0], "telemetry"))
             return out
     raise AssertionError(f"no telemetry from {node}")
 
@@ -153,14 +158,19 @@ def test_relayed_route_carries_the_traffic(mesh: LiveMesh) -> None:
 
 
 def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) -> None:
+    """Sets a controller identity may publish (the ACL lets them through) but the agent
+    must refuse: each would move n1's traffic if it were installed."""
     lab = mesh.lab
     topic = f"meshopt/{lab.plan.name}/routes/n1"
-    current = decode_route_set(decode_signed_route_set(bus_read(lab, topic)[0]).payload)
-    installed = mesh.installed("n1")
+    current = decode_route_set(unsigned_payload(bus_read(lab, topic)[0], "routes"))
+    hops = mesh.next_hops()["n1"]
     key_path, _ = controller_key(lab)
     key = load_private_key(key_path)
     stranger = generate_signing_key()[0]
     owner_n4 = next(k for k, n in mesh.key_owner().items() if n == "n4")
+    # Everything through n4: what an attacker would install to detour n1's traffic.
+    moved = [Route(dst=r.dst, via=owner_n4) for r in current.routes if r.table == "fast"]
+    assert any(r.via != owner_n4 for r in current.routes if r.table == "fast")
 
     def signed(routes: list[Route], version: int, k: Any = key, term: int | None = None) -> bytes:
         return sign_route_set(
@@ -182,16 +192,7 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
         Route(dst="10.250.0.9/32", via=owner_n4),  # outside the mesh
         Route(dst="10.99.0.6/32", via=unknown_peer),  # in the mesh, but not a peer of n1
     ]
-    for payload in (
-        b"\x00garbage{",
-        b"{" * 300_000,
-        signed(current.routes, current.version + 10**9, stranger),  # wrong key
-        signed(current.routes, current.version - 1),  # replay of an older version
-        signed(bad_routes, current.version + 1),
-        signed(current.routes, current.version + 2, term=current.term - 1),  # deposed
-    ):
-        bus_publish(lab, topic, payload, tmp_path)
-    want = {
+    want = [
         "routeset_bad_json",
         "routeset_too_large",
         "routeset_unknown_key",
@@ -199,14 +200,40 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
         "route_outside_mesh",
         "route_unknown_peer",
         "routeset_old_term",
-    }
+        "routeset_term_jump",
+        "routeset_wrong_node",
+    ]
+    before = telemetry(lab, "n1")["counters"]
+    for payload in (
+        b"\x00garbage{",
+        b"{" * 300_000,
+        signed(moved, current.version + 10**9, stranger),  # wrong key
+        signed(moved, current.version - 1),  # replay of an older version
+        signed(bad_routes, current.version + 1),  # signed, but two routes are impossible
+        signed(moved, current.version + 2, term=current.term - 1),  # a deposed controller
+        signed(moved, current.version + 3, term=2**62),  # a term no clock explains
+        sign_route_set(  # a valid set for n2, replayed on n1's topic
+            RouteSet(
+                mesh=lab.plan.name,
+                node="n2",
+                version=current.version + 4,
+                issued_at=time.time(),
+                controller="test",
+                term=current.term,
+                routes=moved,
+            ),
+            key,
+        ),
+    ):
+        bus_publish(lab, topic, payload, tmp_path)
 
-    def counted() -> bool:
-        return want <= set(telemetry(lab, "n1")["counters"])
+    def rose() -> list[str]:
+        now = telemetry(lab, "n1")["counters"]
+        return [r for r in want if now.get(r, 0) <= before.get(r, 0)]
 
-    assert wait_until(counted, 30, interval=0.5) is not None, str(telemetry(lab, "n1")["counters"])
+    assert wait_until(lambda: not rose(), 30, interval=0.5) is not None, rose()
     assert mesh.agents["n1"].poll() is None, "the agent died on bad input"
-    assert mesh.installed("n1") == installed  # nothing from them was installed
+    assert mesh.next_hops()["n1"] == hops  # nothing from them was installed
     assert "10.250.0.9/32" not in [p for ps in mesh.allowed_ips("n1").values() for p in ps]
 
 

@@ -164,3 +164,12 @@ def assert_change_within_100ms(
     assert fresh, "no reply with the new RTT"
     assert fresh[0] - t_change <= 0.100 + 2 * new_ms / 1000, fresh[0] - t_change
     return t_change, replies
+
+
+def controller_tally(lab: Any, cid: str) -> dict[str, int]:
+    """The controller's latest "dropped so far" tally from its log (logged every 2 s)."""
+    from meshopt.lab.agents import controller_log
+
+    lines = re.findall(r"dropped so far: (\{.*\})", controller_log(lab, cid))
+    out: dict[str, int] = json.loads(lines[-1]) if lines else {}
+    return out
