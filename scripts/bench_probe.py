@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshopt.bus.signing import unsigned_payload
 from meshopt.lab.agents import agent_log, start_agent
 from meshopt.lab.lab import Lab
 from meshopt.lab.plan import WG_MTU
@@ -316,12 +317,12 @@ def wait_for(check: Callable[[], bool], timeout: float, step: float = 0.05) -> b
 def telemetry(lab: Lab, node: str, timeout: float = 12.0) -> dict[str, Any]:
     """``node``'s retained full telemetry snapshot, read from the broker's unix socket."""
     topic = f"meshopt/{lab.plan.name}/telemetry/{node}"
-    argv = ["mosquitto_sub", "--unix", str(lab.broker_socket), "-t", topic, "-C", "1"]
+    argv = ["mosquitto_sub", *lab.mosquitto_cli_args(), "-t", topic, "-C", "1"]
     argv += ["-W", str(int(timeout)), "-N"]
     proc = subprocess.run(argv, capture_output=True, timeout=timeout + 5, check=False)
     if not proc.stdout:
         raise RuntimeError(f"no telemetry from {node}: {proc.stderr.decode()[-200:]}")
-    out: dict[str, Any] = json.loads(proc.stdout)
+    out: dict[str, Any] = json.loads(unsigned_payload(proc.stdout, "telemetry"))
     return out
 
 

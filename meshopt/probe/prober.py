@@ -28,6 +28,14 @@ needs. At 0.33 s between probes one lost probe leaves a 0.66 s gap (tolerated); 
 in a row (0.99 s) declare the peer dead, so with independent loss ``p`` a healthy
 peer is falsely declared dead with probability about ``p**2`` per probe (1 % loss:
 once an hour per peer; 0.1 %: once in four days) and comes back at its next reply.
+
+Silence only counts against a peer while we were asking: it is declared dead when, on
+top of ``dead_after_s`` without a reply, at least two probes sent after its last reply
+are unanswered, the first of them for ``dead_after_s - interval_s`` (a healthy peer's
+normal case gives the same 0.8 s). A stalled agent (a busy or paused VM: the loop
+wakes seconds late) has sent nothing meanwhile, so it probes again and waits for
+answers instead of declaring every peer dead at once; replies that queued up in the
+socket during the stall are read before anything is judged.
 Faster detection or fewer false alarms cost bytes: ``interval_s = 0.2`` with
 ``dead_after_s = 0.7`` tolerates two losses (1,400 B/s); ``interval_s = 1`` with
 ``dead_after_s = 3.5`` costs 280 B/s and takes 3.5 s. :meth:`ProbeConfig.bytes_per_s`
@@ -187,6 +195,8 @@ class _Peer:
     alive: bool | None = None
     last_reply: float | None = None
     dead_since: float | None = None
+    unanswered: int = 0  # probes sent since the last reply
+    first_unanswered: float | None = None  # when the first of them was sent
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -219,6 +229,9 @@ class Prober:
         on_change: Callable[[str, bool], None] | None = None,
     ) -> None:
         self.config = config if config is not None else ProbeConfig()
+        # Two unanswered probes where the dead time spans two intervals (the default),
+        # else one: never later than the configured dead time for a healthy sender.
+        self._min_unanswered = 2 if self.config.dead_after_s >= 2 * self.config.interval_s else 1
         self.on_change = on_change
         self.nonce = os.urandom(NONCE_BYTES)
         self.timer_error = TimerError()
@@ -364,15 +377,31 @@ class Prober:
         wake = now + 1.0
         for peer in self._peers.values():
             wake = min(wake, peer.next_send)
-            if peer.alive and peer.last_reply is not None:
-                wake = min(wake, peer.last_reply + self.config.dead_after_s)
+            dies_at = self._dies_at(peer)
+            if peer.alive and dies_at is not None:
+                wake = min(wake, dies_at)
         for pending in self._pending.values():  # the oldest times out first
             wake = min(wake, pending.sent_at + self.config.timeout_s)
             break
         return wake
 
+    def _dies_at(self, peer: _Peer) -> float | None:
+        """When ``peer`` is due to be declared dead, None while too few probes are out."""
+        cfg = self.config
+        if peer.last_reply is None or peer.first_unanswered is None:
+            return None
+        if peer.unanswered < self._min_unanswered:
+            return None
+        return max(
+            peer.last_reply + cfg.dead_after_s,
+            peer.first_unanswered + cfg.dead_after_s - cfg.interval_s,
+        )
+
     def _on_timer(self) -> None:
         self._timer = None
+        # Replies that arrived while this loop was late (a stall) are taken first, with
+        # their kernel stamps, so they count before any peer is judged.
+        self._on_readable()
         now = time.monotonic()
         try:
             self._tick(now)
@@ -395,7 +424,7 @@ class Prober:
             pending.peer.window.add_loss(seq, now)
             self._recent.add(seq, "expired", pending.peer)
         for peer in list(self._peers.values()):
-            dies_at = peer.last_reply + cfg.dead_after_s if peer.last_reply is not None else None
+            dies_at = self._dies_at(peer)
             if peer.alive and dies_at is not None and dies_at <= due:
                 peer.alive = False
                 peer.dead_since = now
@@ -421,6 +450,9 @@ class Prober:
         stamp(data, send_ns)
         sent_at = time.monotonic()
         self._pending[seq] = _Pending(peer, send_ns, sent_at)
+        if peer.unanswered == 0:
+            peer.first_unanswered = sent_at
+        peer.unanswered += 1
         peer.window.add_sent(seq, sent_at)
         self.counters["sent"] += 1
         try:
@@ -507,6 +539,8 @@ class Prober:
 
     def _replied(self, peer: _Peer, now: float) -> None:
         peer.last_reply = now
+        peer.unanswered = 0
+        peer.first_unanswered = None
         if peer.alive is False:
             peer.window.reset_smoothing()  # a path that comes back starts afresh
             peer.alive = True

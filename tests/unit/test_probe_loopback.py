@@ -124,6 +124,58 @@ def test_stopped_responder_is_declared_dead_within_a_second_and_comes_back() -> 
     assert [a for _, a, _ in events] == [False, True]
 
 
+def test_a_stalled_loop_is_not_a_dead_peer() -> None:
+    """The whole loop (prober and responder alike, like a paused VM) stops for 2 s: no
+    peer is declared dead for the silence it caused itself."""
+    events: list[tuple[str, bool]] = []
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        prober = Prober(
+            ProbeConfig(port=responder.port), on_change=lambda n, a: events.append((n, a))
+        )
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        try:
+            await until(lambda: prober.alive("peer") is True)
+            time.sleep(2.0)  # blocks the event loop: nothing is sent or answered
+            await asyncio.sleep(1.5)
+            assert prober.alive("peer") is True
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())
+    assert events == []
+
+
+def test_a_peer_that_dies_during_a_stall_is_declared_dead_soon_after() -> None:
+    events: list[tuple[str, bool, float]] = []
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        config = ProbeConfig(port=responder.port)
+        prober = Prober(config, on_change=lambda n, a: events.append((n, a, time.monotonic())))
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        try:
+            await until(lambda: prober.alive("peer") is True)
+            responder.close()
+            time.sleep(2.0)
+            resumed = time.monotonic()
+            await until(lambda: len(events) == 1, timeout=2.0)
+            assert events[0][:2] == ("peer", False)
+            # Two probes after the stall go unanswered: about dead_after_s after it.
+            assert events[0][2] - resumed <= config.dead_after_s + 0.3
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())
+
+
 def test_responder_counts_garbage_logs_each_reason_once_and_keeps_answering(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
