@@ -112,6 +112,10 @@ def _garbage(rng: random.Random, t: Topics, names: list[str]) -> Hostile:
 
 
 def _peer_doc(rng: random.Random, h: Honest, peer: str) -> dict[str, Any]:
+    """A peer report with one value no decoder may take. (A possible but unusable value,
+    such as a 100-byte PMTU, is taken with the field dropped: signed by the node's real
+    key and newer than its last report, such a message would be the node's word, which
+    only the node's own key can give; that is what rotating a stolen key is for.)"""
     bad = rng.choice(
         [
             {"rtt_ms": float("nan")},
@@ -119,7 +123,7 @@ def _peer_doc(rng: random.Random, h: Honest, peer: str) -> dict[str, Any]:
             {"rtt_ms": -5.0},
             {"loss": 1.5},
             {"bandwidth_mbit": 1e308},
-            {"pmtu": 100},
+            {"pmtu": 67},
             {"samples": -1},
             {"rtt_ms": 1e12},
             {"samples": 2**70},
