@@ -19,7 +19,13 @@ from meshopt.bus.client import (
     fold_broker_shorthand,
     with_default_username,
 )
-from meshopt.configfile import build, read_toml
+from meshopt.configfile import (
+    build,
+    check_broker_files,
+    check_public_key,
+    printable,
+    read_toml,
+)
 from meshopt.errors import InputError
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -84,9 +90,44 @@ class BulkSettings:
 
 @dataclass(frozen=True)
 class TransferSettings:
+    """The receiver for ``meshopt transfer send``: what mesh peers may use of this node.
+
+    It listens on the overlay addresses only and knows senders by their WireGuard peer.
+    ``quota_gib``: files received this run, partial ones included; the reserve kept free
+    is the smaller of ``min_free_gib`` and ``min_free_percent`` of the disk.
+    """
+
     enabled: bool = False
     directory: str = "/var/lib/meshopt/incoming"
     port: int = 51897
+    quota_gib: float = 10.0
+    min_free_gib: float = 1.0
+    min_free_percent: float = 5.0
+    partial_max_age_h: float = 24.0  # partial files of interrupted transfers expire
+    idle_timeout_s: float = 60.0  # a sender silent for this long is dropped
+    max_transfers: int = 8  # at once; more are refused as busy
+    max_per_sender: int = 2
+    allow_overwrite: bool = False  # replace a file when the sender asks (--overwrite)
+
+    def check(self) -> None:
+        """InputError naming the first ``transfer.*`` key that cannot work."""
+        for key, value in (("quota_gib", self.quota_gib), ("min_free_gib", self.min_free_gib)):
+            if value < 0:
+                raise InputError(f"transfer.{key} must be >= 0")
+        if not 0 <= self.min_free_percent < 100:
+            raise InputError("transfer.min_free_percent must be in [0, 100)")
+        for key, value in (
+            ("partial_max_age_h", self.partial_max_age_h),
+            ("idle_timeout_s", self.idle_timeout_s),
+        ):
+            if value <= 0:
+                raise InputError(f"transfer.{key} must be > 0")
+        for key, count in (
+            ("max_transfers", self.max_transfers),
+            ("max_per_sender", self.max_per_sender),
+        ):
+            if count < 1:
+                raise InputError(f"transfer.{key} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -142,7 +183,7 @@ def parse_config(data: dict[str, Any], *, source: str = "config") -> AgentConfig
         cfg = replace(cfg, broker=with_default_username(cfg.broker, cfg.node))
         check_config(cfg)
     except InputError as exc:
-        raise InputError(exc.message, source=source) from None
+        raise InputError(printable(exc.message), source=printable(source)) from None
     return cfg
 
 
@@ -172,6 +213,14 @@ def check_config(cfg: AgentConfig) -> None:
         raise InputError("probe.interval_s must be >= 0.01")
     if pr.dead_after_s < 2 * pr.interval_s:
         raise InputError("probe.dead_after_s must be at least two probe intervals")
+    from meshopt.probe.prober import ProbeConfig
+
+    try:  # the prober's own checks (window >= 1, ...): --check must fail where a start would
+        ProbeConfig(
+            interval_s=pr.interval_s, dead_after_s=pr.dead_after_s, window=pr.window, port=pr.port
+        )
+    except InputError as exc:
+        raise InputError(exc.message.replace("probe config: ", "probe.", 1)) from None
     for name, port in (
         ("probe.port", pr.port),
         ("bandwidth.port", cfg.bandwidth.port),
@@ -179,6 +228,7 @@ def check_config(cfg: AgentConfig) -> None:
     ):
         if not 1 <= port <= 65535:
             raise InputError(f"{name} must be 1..65535")
+    cfg.transfer.check()
     r = cfg.routes
     for name, table in (("fast_table", r.fast_table), ("bulk_table", r.bulk_table)):
         if not 1 <= table < 2**32 or table in (253, 254, 255):
@@ -186,9 +236,31 @@ def check_config(cfg: AgentConfig) -> None:
     if r.fast_table == r.bulk_table:
         raise InputError("routes.fast_table and routes.bulk_table must differ")
     bulk_classifier(cfg)  # raises InputError naming the bad entry
+    check_broker_files(cfg.broker)  # regular files of sane size, before they are read
     check_broker_settings(cfg.broker)  # reads the TLS and password files: --check sees them
     if cfg.telemetry.full_interval_s < cfg.telemetry.check_interval_s:
         raise InputError("telemetry.full_interval_s must be >= telemetry.check_interval_s")
+    for name in ("identity_key", "state_dir", "wireguard_run_dir"):
+        if "\0" in getattr(cfg, name):
+            raise InputError(f"{name} must not contain a NUL character")
+    for key in cfg.controller_keys:  # as the daemon reads them (base64 or a key file)
+        check_public_key(key, "controller_keys", "the output of: meshopt controller keygen")
+    from meshopt.install.model import bulk_rules, fast_rules
+
+    try:  # the rules the daemon builds at start (priorities within 1..32765)
+        fast_rules(table=r.fast_table, priority=r.rule_priority)
+        if cfg.bulk.enabled:
+            dports, marks, tos = bulk_classifier(cfg)
+            bulk_rules(
+                dports=dports,
+                fwmarks=marks,
+                tos=tos,
+                table=r.bulk_table,
+                first_priority=r.rule_priority - 100,
+                last_priority=r.rule_priority - 1,
+            )
+    except InputError as exc:
+        raise InputError(f"routes.rule_priority {r.rule_priority}: {exc.message}") from None
 
 
 def _number(text: str, what: str) -> int:

@@ -47,7 +47,7 @@ from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
 from meshopt.probe.prober import ProbeConfig, Prober, Target
-from meshopt.probe.responder import Responder
+from meshopt.probe.responder import PeerSources, RateLimit, Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
 from meshopt.wireguard import AsyncKernelBackend, AsyncUserspaceBackend, AsyncWireGuardBackend
 from meshopt.wireguard.kernel import kernel_wireguard_available
@@ -120,8 +120,11 @@ class Agent:
             ),
             on_change=self._on_liveness,
         )
-        self.responder = Responder()
-        self.trains = TrainResponder()
+        # Probe responders answer current peers only, within a budget (issue 12).
+        self.responder = Responder(
+            limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
+        )
+        self.trains = TrainResponder(allowed=PeerSources())
         self.capacity: dict[str, Capacity] = {}
         self.bandwidth_bytes = 0
         self.pmtu: dict[str, int] = {}
@@ -178,9 +181,10 @@ class Agent:
             set_sysctl("net.ipv6.conf.all.forwarding", "1")
             # Relayed traffic arrives on one tunnel and its replies may leave by another.
             set_sysctl("net.ipv4.conf.all.rp_filter", "0")
-        await self.responder.start(port=self.cfg.probe.port)
+        # No address yet: _poll_peers binds our probe addresses once it has made them.
+        await self.responder.start((), port=self.cfg.probe.port)
         if self.cfg.bandwidth.enabled:
-            await self.trains.start(port=self.cfg.bandwidth.port)
+            await self.trains.start((), port=self.cfg.bandwidth.port)
         await self.prober.start()
         await self._poll_peers()
         if self.cfg.transfer.enabled:
@@ -196,17 +200,34 @@ class Agent:
         )
 
     async def _start_transfer(self) -> None:
-        """The receiving end of ``meshopt transfer send``: mesh peers only."""
+        """The receiving end of ``meshopt transfer send``: on our overlay addresses only,
+        for senders known by their WireGuard peer (AllowedIPs before relaying moved any)."""
+        from meshopt.transfer.identity import peer_identity
+        from meshopt.transfer.limits import from_settings
         from meshopt.transfer.receiver import serve_in_agent  # zstd, FastCDC: only if used
 
         root = Path(self.cfg.transfer.directory)
         root.mkdir(parents=True, exist_ok=True)
         allow = list(self.cfg.mesh_prefixes) or self._implied_mesh_prefixes()
+        overlay = [a.split("/", 1)[0] for a in self.addresses]
+        if not overlay:
+            log.warning("transfer: no overlay address on %s: receiver not started", self.interfaces)
+            return
+
+        def sender_of(address: str) -> str | None:
+            peers = self.tracker.peers
+            return peer_identity(
+                address, {k: self.state.baseline.get(k, p.allowed_ips) for k, p in peers.items()}
+            )
+
         self.transfer = await serve_in_agent(
             root,
             allow,
             port=self.cfg.transfer.port,
+            host=overlay,
+            identify=sender_of,
             cache_dir=Path(self.cfg.state_dir) / "transfer-cache",
+            limits=from_settings(self.cfg.transfer),
         )
 
     async def _teardown(self) -> None:
@@ -290,6 +311,12 @@ class Agent:
             own.extend(addrs.get(index, []))
             if await self.net.ensure_link_local(index, probe_address(state.public_key)):
                 changed = True
+        # The responders listen on our probe addresses only and answer current peers only.
+        probes = [f"{probe_address(k)}%{n}" for n, k in self.tracker.own_keys.items() if n in links]
+        peers = PeerSources.from_peers(self.tracker.peers.values())
+        for r in (self.responder, self.trains) if self.cfg.bandwidth.enabled else (self.responder,):
+            r.listen_on(probes)
+            r.allowed = peers
         self.addresses = own_prefixes_from(own)
         self.prober.set_targets(
             Target(name=k, address=p.probe_address, scope=p.ifname)

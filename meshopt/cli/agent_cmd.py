@@ -34,7 +34,23 @@ def agent_cmd(ctx: click.Context, config_path: str | None, log_level: str, check
     from meshopt.bus.signing import load_private_key
 
     cfg = load_config(config_path)
-    load_private_key(cfg.identity_key)  # a missing key must fail here, not in a restart loop
+    # What Agent() reads at start must fail here, for --check and start alike, in one
+    # line: a missing key or unreadable state file must not become a restart loop.
+    from pathlib import Path
+
+    from meshopt.agent.state import load_state
+    from meshopt.configfile import check_key_file, printable
+
+    state = Path(cfg.state_dir) / f"agent-{cfg.mesh}-{cfg.node}.json"
+    try:
+        check_key_file(cfg.identity_key, "identity_key", "signing key")
+        load_private_key(cfg.identity_key)
+        load_state(state)
+    except OSError as exc:
+        why = f"cannot read agent state {state}: {exc.strerror or exc}"
+        raise InputError(printable(why)) from None
+    except InputError as exc:
+        raise InputError(printable(str(exc))) from None
     if check:
         click.echo(f"{config_path}: ok (mesh {cfg.mesh}, node {cfg.node})")
         return

@@ -12,6 +12,13 @@ from rich.console import Console
 
 from meshopt.errors import InputError
 from meshopt.metric import Metric
+from meshopt.topology.limits import (
+    DEFAULT_MAX_INPUT_MB,
+    DEFAULT_MAX_NODES,
+    DEFAULT_MAX_PAIRS,
+    ENV,
+    Limits,
+)
 from meshopt.topology.load import load_topology
 from meshopt.topology.model import Topology
 from meshopt.units import parse_time_ms
@@ -23,11 +30,48 @@ def console(*, stderr: bool = False) -> Console:
     return Console(highlight=False, soft_wrap=True, stderr=stderr)
 
 
+_LIMITS_META = "meshopt.topology.limits"
+_LIMIT_OPTIONS = (
+    ("--max-nodes", "max_nodes", DEFAULT_MAX_NODES, "nodes"),
+    ("--max-pairs", "max_pairs", DEFAULT_MAX_PAIRS, "pairs, underlay entries, tunnels or edges"),
+    ("--max-input-mb", "max_input_mb", DEFAULT_MAX_INPUT_MB, "MiB of file (decompressed too)"),
+)
+
+
+def _keep_limit(ctx: click.Context, param: click.Parameter, value: int | None) -> None:
+    if param.name is not None:
+        ctx.meta.setdefault(_LIMITS_META, {})[param.name] = value
+
+
+def limit_options(f: F) -> F:
+    """--max-nodes, --max-pairs, --max-input-mb: raise (or lower) the caps on one input.
+
+    They override the MESHOPT_MAX_* variables for this command only (kept in the click
+    context, read by open_topology). Added once, whichever decorator comes first.
+    """
+    params = getattr(f, "__click_params__", [])
+    if any(p.name == "max_nodes" for p in params):
+        return f
+    for flag, name, default, what in reversed(_LIMIT_OPTIONS):
+        f = click.option(
+            flag,
+            name,
+            type=click.IntRange(min=1),
+            default=None,
+            expose_value=False,
+            callback=_keep_limit,
+            help=f"Refuse a topology with more than this many {what} "
+            f"(default {default:,}, or ${ENV[name]}).",
+        )(f)
+    return f
+
+
 def topology_argument(f: F) -> F:
-    return click.argument("topology", metavar="TOPOLOGY")(f)
+    return limit_options(click.argument("topology", metavar="TOPOLOGY")(f))
 
 
 def routing_options(f: F) -> F:
+    f = limit_options(f)
     f = click.option(
         "--symmetric",
         is_flag=True,
@@ -51,7 +95,10 @@ def metric_from(relay_cost: str) -> Metric:
 
 
 def open_topology(spec: str, seed: int | None = None) -> Topology:
-    return load_topology(spec, seed=seed)
+    """Load with the limits of this command's --max-* flags over the MESHOPT_MAX_* variables."""
+    ctx = click.get_current_context(silent=True)
+    given = ctx.meta.get(_LIMITS_META, {}) if ctx is not None else {}
+    return load_topology(spec, seed=seed, limits=Limits.from_env().with_values(**given))
 
 
 def need_node(topo: Topology, name: str) -> int:

@@ -5,7 +5,13 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from meshopt.cli.common import console, json_option, open_topology, print_json
+from meshopt.cli.common import (
+    console,
+    json_option,
+    open_topology,
+    print_json,
+    topology_argument,
+)
 from meshopt.topology.load import save_topology
 from meshopt.topology.model import Topology
 
@@ -33,7 +39,7 @@ def _summary(topo: Topology) -> dict[str, object]:
 
 
 @topology_group.command("check")
-@click.argument("topology", metavar="TOPOLOGY")
+@topology_argument
 @json_option
 def check_cmd(topology: str, as_json: bool) -> None:
     """Load TOPOLOGY and summarise it; a bad file gets one line naming where it is wrong."""
@@ -53,7 +59,7 @@ def check_cmd(topology: str, as_json: bool) -> None:
 
 
 @topology_group.command("convert")
-@click.argument("topology", metavar="TOPOLOGY")
+@topology_argument
 @click.argument("out", type=click.Path(dir_okay=False, writable=True))
 @click.option("--seed", type=int, default=None, help="Seed for generators.")
 def convert_cmd(topology: str, out: str, seed: int | None) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import ipaddress
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import click
@@ -13,7 +14,11 @@ import click
 from meshopt.cli.common import json_option, print_json
 from meshopt.cli.live_cmd import live_options
 from meshopt.errors import InputError
+from meshopt.transfer.limits import GIB, Limits
 from meshopt.transfer.protocol import TRANSFER_PORT
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+_DEFAULTS = Limits()
 
 
 @click.group("transfer")
@@ -78,6 +83,11 @@ def _mb(n: float) -> str:
     help="Link rate for the compression decision (default: measured during the transfer).",
 )
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="Replace a file of the same name (the receiver must allow it too).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @json_option
 def send_cmd(
@@ -86,6 +96,7 @@ def send_cmd(
     port: int,
     link_mbit: float | None,
     cache_dir: Path | None,
+    overwrite: bool,
     no_progress: bool,
     as_json: bool,
     broker: str | None,
@@ -137,6 +148,7 @@ def send_cmd(
                 link_mbit=link_mbit,
                 progress=progress,
                 cache_dir=cache_dir,
+                overwrite=overwrite,
             )
         )
     if as_json:
@@ -166,39 +178,145 @@ def send_cmd(
     metavar="PREFIX",
     help="Accept peers in this prefix (the mesh's; repeat for more).",
 )
-@click.option("--host", default="::", show_default=True)
+@click.option(
+    "--bind",
+    "--host",
+    "bind",
+    multiple=True,
+    metavar="ADDRESS",
+    help="Listen on this address (repeat for more). Default: this host's addresses inside "
+    "the --allow prefixes (its overlay addresses), never every interface.",
+)
 @click.option("--port", type=int, default=TRANSFER_PORT, show_default=True)
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
     "--cache-max-mb", type=float, default=4096, show_default=True, help="Chunk cache size cap."
 )
+@click.option(
+    "--quota-gib",
+    type=click.FloatRange(min=0),
+    default=_DEFAULTS.quota_bytes / GIB,
+    show_default=True,
+    help="Bytes of files (partial ones included) this run may receive.",
+)
+@click.option(
+    "--min-free-gib",
+    type=click.FloatRange(min=0),
+    default=_DEFAULTS.min_free_bytes / GIB,
+    show_default=True,
+    help="Keep this much free on the disk (or --min-free-percent, whichever is smaller).",
+)
+@click.option(
+    "--min-free-percent",
+    type=click.FloatRange(min=0, max=100, max_open=True),
+    default=_DEFAULTS.min_free_fraction * 100,
+    show_default=True,
+)
+@click.option(
+    "--partial-max-age-h",
+    type=click.FloatRange(min=0, min_open=True),
+    default=_DEFAULTS.partial_max_age_s / 3600,
+    show_default=True,
+    help="Remove partial files of interrupted transfers untouched for this long.",
+)
+@click.option(
+    "--idle-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=_DEFAULTS.idle_timeout_s,
+    show_default=True,
+    help="Drop a sender that sends nothing for this long.",
+)
+@click.option(
+    "--max-transfers",
+    type=click.IntRange(min=1),
+    default=_DEFAULTS.max_transfers,
+    show_default=True,
+)
+@click.option(
+    "--max-per-sender",
+    type=click.IntRange(min=1),
+    default=_DEFAULTS.max_per_sender,
+    show_default=True,
+)
+@click.option(
+    "--allow-overwrite",
+    is_flag=True,
+    help="Let a sender that asks (send --overwrite) replace an existing file.",
+)
 def serve_cmd(
     directory: Path,
     allow: tuple[str, ...],
-    host: str,
+    bind: tuple[str, ...],
     port: int,
     cache_dir: Path | None,
     cache_max_mb: float,
+    quota_gib: float,
+    min_free_gib: float,
+    min_free_percent: float,
+    partial_max_age_h: float,
+    idle_timeout_s: float,
+    max_transfers: int,
+    max_per_sender: int,
+    allow_overwrite: bool,
 ) -> None:
     """Run a receiver until interrupted (the agent hosts the same service)."""
-    from meshopt.transfer.receiver import TransferServer
+    from meshopt.transfer.receiver import TransferServer, parse_allow
 
     logging.basicConfig(level=logging.INFO, format="meshopt transfer: %(message)s")
+    limits = Limits(
+        quota_bytes=int(quota_gib * GIB),
+        min_free_bytes=int(min_free_gib * GIB),
+        min_free_fraction=min_free_percent / 100,
+        partial_max_age_s=partial_max_age_h * 3600,
+        idle_timeout_s=idle_timeout_s,
+        max_transfers=max_transfers,
+        max_per_sender=max_per_sender,
+        allow_overwrite=allow_overwrite,
+    )
+    nets = parse_allow(allow)
 
     async def run() -> None:
+        hosts = list(bind) or await addresses_inside(nets)
         server = TransferServer(
             directory,
-            host=host,
+            host=hosts,
             port=port,
             allow=list(allow),
             cache_dir=cache_dir,
             cache_max_bytes=int(cache_max_mb * 1e6),
+            limits=limits,
         )
         await server.start()
-        click.echo(f"listening on [{host}]:{server.port}, receiving into {directory}", err=True)
+        where = ", ".join(f"[{h}]:{server.port}" for h in hosts)
+        click.echo(f"listening on {where}, receiving into {directory}", err=True)
         try:
             await server.serve_forever()
         finally:
             await server.close()
 
     asyncio.run(run())
+
+
+async def addresses_inside(nets: Sequence[IPNetwork]) -> list[str]:
+    """This host's addresses inside ``nets``: the overlay addresses for the mesh prefixes."""
+    from meshopt.agent.netstate import NetState
+
+    state = NetState()
+    await state.open()
+    try:
+        found = await state.addresses()
+    finally:
+        await state.close()
+    out = []
+    for addrs in found.values():
+        for a in addrs:
+            ip = ipaddress.ip_interface(a).ip
+            if not ip.is_link_local and any(ip in n for n in nets) and str(ip) not in out:
+                out.append(str(ip))
+    if not out:
+        prefixes = ", ".join(str(n) for n in nets)
+        raise InputError(
+            f"no local address inside --allow {prefixes} to listen on: give --bind ADDRESS "
+            "(this host's overlay address)"
+        )
+    return sorted(out)

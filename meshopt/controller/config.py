@@ -13,7 +13,15 @@ from meshopt.bus.client import (
     fold_broker_shorthand,
     with_default_username,
 )
-from meshopt.configfile import build, read_toml
+from meshopt.configfile import (
+    build,
+    check_broker_files,
+    check_key_file,
+    check_public_key,
+    placeholder,
+    printable,
+    read_toml,
+)
 from meshopt.errors import InputError
 from meshopt.metric import Metric
 from meshopt.policy import PolicyConfig
@@ -107,6 +115,7 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
         for key, value in (("mesh", cfg.mesh), ("id", cfg.id), *(("nodes", n) for n in cfg.nodes)):
             if not NAME.fullmatch(value):
                 raise InputError(f"{key} {value!r}: use 1-64 of A-Z a-z 0-9 _ . -")
+        check_broker_files(cfg.broker)  # regular files of sane size, before they are read
         check_broker_settings(cfg.broker)  # reads the TLS and password files
         if cfg.lease_s < 1.0:
             raise InputError("lease_s must be >= 1 s")
@@ -120,19 +129,20 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
             missing = sorted(set(cfg.nodes) - {e.node for e in enrolled})
             raise InputError(f"nodes: {missing[0]} has no key in [node_keys]")
     except InputError as exc:
-        raise InputError(exc.message, source=source) from None
+        raise InputError(printable(exc.message), source=printable(source)) from None
     return cfg
 
 
 def _public_key(text: object, where: str) -> str:
-    from meshopt.bus.signing import load_public_key
-
+    """A key as the controller reads it at start; the example's placeholders are refused."""
     if not isinstance(text, str):
         raise InputError(f"{where} must be a base64 Ed25519 public key")
-    try:
-        load_public_key(text)
-    except InputError:
-        raise InputError(f"{where}: {text[:60]!r} is not a base64 Ed25519 public key") from None
+    how = (
+        "the output of: meshopt controller keygen"
+        if where == "controller_keys"
+        else "the node's meshopt agent keygen prints it"
+    )
+    check_public_key(text, where, how)
     return text
 
 
@@ -148,6 +158,17 @@ def parse_node_keys(table: object) -> tuple[Enrolment, ...]:
         raise InputError("[node_keys] must be a table of node = key")
     from meshopt.bus.messages import BusMessageError, _key, _prefix
 
+    examples = [
+        str(node)
+        for node, value in table.items()
+        if placeholder(str(value.get("key", "") if isinstance(value, dict) else value))
+    ]
+    if examples:  # name them all: a copied example has one per node
+        raise InputError(
+            f"node_keys: {', '.join(examples)[:300]}: placeholder keys from the example "
+            "(they decode to 'example-...'): put each node's real key there "
+            "(meshopt agent keygen prints it on the node)"
+        )
     out: list[Enrolment] = []
     for node, value in table.items():
         where = f"node_keys.{node}"
@@ -171,4 +192,15 @@ def parse_node_keys(table: object) -> tuple[Enrolment, ...]:
 
 
 def load_controller_config(path: str | Path) -> ControllerConfig:
-    return parse_controller_config(read_toml(path), source=str(path))
+    """The file, and what the daemon reads and builds from it at start (its signing key,
+    the controller core), so ``--check`` fails exactly where a start would."""
+    from meshopt.bus.signing import load_private_key
+    from meshopt.controller.core import ControllerCore
+
+    cfg = parse_controller_config(read_toml(path), source=str(path))
+    try:
+        check_key_file(cfg.signing_key, "signing_key", "signing key")
+        ControllerCore(cfg, load_private_key(cfg.signing_key))
+    except InputError as exc:
+        raise InputError(printable(str(exc)), source=printable(str(path))) from None
+    return cfg

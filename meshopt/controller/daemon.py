@@ -44,11 +44,7 @@ class Controller:
         self.bus = BusClient(
             cfg.broker,
             client_id=f"meshopt-controller-{cfg.mesh}-{cfg.id}",
-            will=lambda: (
-                topics.controller_status(cfg.id),
-                self.core.status(False, self.wall()),
-                True,
-            ),
+            will=lambda: self.core.new_session(self.wall()),
             subscriptions=[
                 topics.all_telemetry(),
                 topics.all_status(),

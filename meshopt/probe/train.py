@@ -14,22 +14,41 @@ own bytes per packet on the underlay; :meth:`BandwidthEstimate.underlay_mbit` an
 
 Wire format (network byte order), every packet starts with ``MOTR``, a version and a kind:
 
-- train packet: ``magic version kind=1 train_id:u32 nonce:8s index:u16 count:u16`` then
-  zero padding up to the packet size;
+- train packet: ``magic version kind=1 train_id:u32 nonce:8s index:u16 count:u16`` (22
+  bytes) then zero padding up to the packet size, which is at least
+  :func:`report_bytes` ``(count) = 34 + 6 * count`` (shorter ones are refused,
+  ``drop_short``);
 - report: ``magic version kind=2 train_id:u32 nonce:8s received:u16 count:u16 bytes:u32
-  first_rx_ns:u64`` then ``received`` entries ``index:u16 offset_ns:u32`` (receive time
-  after the first packet), in arrival order.
+  first_rx_ns:u64`` (34 bytes) then ``received`` entries ``index:u16 offset_ns:u32``
+  (receive time after the first packet), in arrival order.
 
-The responder (:class:`TrainResponder`) keeps a bounded number of trains in flight, each
-bounded in length; it answers after a train's last packet, or when a train has been idle
-for ``REPORT_IDLE_S`` (its tail was lost). Garbage, oversized packets, packets of a train
-whose nonce does not match and late packets of an answered train are dropped, counted,
-and logged once per reason.
+No amplification: a report has at most ``count`` entries, so it is never larger than
+any one packet of its train (amplification <= 1 per datagram, and <= 1/received over a
+train). The smallest train packet is 40 bytes (a train of one, answered by a 40-byte
+report); a train of ``n`` needs a UDP payload of ``34 + 6n``, so a packet size caps the
+train length (:func:`max_train_packets`; at the default 1,200-byte IPv6 packets, 186).
+The default estimate's wire cost is unchanged by this rule below about 178 Mbit/s (its
+1,200-byte packets always dwarfed their reports); above it, trains stop at 186 packets
+instead of 200, a little cheaper. The header stays version 1: an older sender still
+interoperates as long as its packets are long enough for its trains.
+
+The responder (:class:`TrainResponder`) listens on chosen addresses only (the agent's
+probe addresses), answers current peers only and grants each source a budget of new
+trains (:data:`DEFAULT_TRAIN_LIMIT`), like the echo responder (see
+:mod:`meshopt.probe.responder`: ``drop_unknown_source``, ``drop_rate_limited``). It keeps a
+bounded number of trains in flight, each bounded in length; it answers after a train's
+last packet, or when a train has been idle for ``REPORT_IDLE_S`` (its tail was lost).
+Garbage, oversized and short packets, packets of a train whose nonce does not match and
+late packets of an answered train are dropped, counted, and logged once per reason.
+Every packet read is counted in ``packets`` and lands in ``accepted`` or one ``drop_*``.
 
 Command line (for lab nodes)::
 
-    python -m meshopt.probe.train --serve [--port 51898]
+    python -m meshopt.probe.train --serve [--host ADDR]... [--interface GLOB]... [--port 51898]
     python -m meshopt.probe.train --estimate ADDRESS [--scope IF] [--json]
+
+``--serve`` chooses its addresses, sources and budget like ``python -m
+meshopt.probe.responder`` (default: the addresses of ``wg*``, any source, no budget).
 """
 
 from __future__ import annotations
@@ -50,11 +69,26 @@ import struct
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meshopt.errors import MeshoptError
-from meshopt.probe.timestamps import enable_rx_timestamps, recv_timestamped
+from meshopt.probe.responder import (
+    LOOPBACK,
+    AllowedSources,
+    Listeners,
+    RateLimit,
+    SourceAddress,
+    SourceBuckets,
+    add_listen_arguments,
+    allowed_arg,
+    any_source,
+    hosts_arg,
+    limit_arg,
+    listen_hosts,
+    source_of,
+)
+from meshopt.probe.timestamps import Address, open_udp_socket, recv_timestamped
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +105,7 @@ _ENTRY = struct.Struct("!HI")  # index, receive time after the first packet (ns)
 
 IPV4_UDP_HEADERS = 28
 IPV6_UDP_HEADERS = 48
-MAX_TRAIN_PACKETS = 200  # a report of 200 entries (1,242 bytes) fits a 1280-byte IPv6 MTU
+MAX_TRAIN_PACKETS = 200  # its report (1,234 bytes) fits a 1280-byte IPv6 MTU
 MAX_PACKET_BYTES = 9000  # UDP payload; a bigger datagram is refused as oversized
 MAX_TRAINS_IN_FLIGHT = 32
 REPORT_IDLE_S = 0.15  # a train silent this long is answered as it stands
@@ -96,13 +130,33 @@ TARGET_DISPERSION_S = 0.010
 DEFAULT_TRAINS = 5
 DEFAULT_GAP_S = 0.01
 
+# New trains per source: an estimate sends DEFAULT_TRAINS back to back, every
+# bandwidth.interval_s (300 s) or every 5 s while a peer is unmeasured; two estimates'
+# worth of burst and one train a second is ample for that and bounds a flood.
+DEFAULT_TRAIN_LIMIT = RateLimit(rate=1.0, burst=2 * DEFAULT_TRAINS)
+
 
 class TrainError(MeshoptError):
     """A train packet or report that cannot be decoded (garbage, truncated, wrong kind)."""
 
 
+class TrainTooShortError(TrainError):
+    """A train packet smaller than its train's report could be (it would amplify)."""
+
+
 class TrainUnansweredError(MeshoptError):
     """The peer answered none of the trains: no responder, or the path is down."""
+
+
+def report_bytes(count: int) -> int:
+    """The largest report of a train of ``count``: the smallest packet such a train may
+    use (a reply is never larger than a request)."""
+    return _REPORT.size + count * _ENTRY.size
+
+
+def max_train_packets(payload: int) -> int:
+    """The longest train whose packets may carry ``payload`` bytes (0: none may)."""
+    return max(0, min(MAX_TRAIN_PACKETS, (payload - _REPORT.size) // _ENTRY.size))
 
 
 # --- wire format ------------------------------------------------------------------------
@@ -133,10 +187,13 @@ class TrainReport:
 
 
 def encode_train_packet(p: TrainPacket, size: int) -> bytes:
-    """One train packet of ``size`` bytes of UDP payload."""
+    """One train packet of ``size`` bytes of UDP payload (at least its report's size)."""
     head = _TRAIN.pack(MAGIC, VERSION, KIND_TRAIN, p.train_id, p.nonce, p.index, p.count)
-    if size < len(head):
-        raise TrainError(f"train packets need at least {len(head)} bytes of payload")
+    if size < max(len(head), report_bytes(p.count)):
+        raise TrainError(
+            f"packets of a train of {p.count} need at least "
+            f"{max(len(head), report_bytes(p.count))} bytes of payload, not {size}"
+        )
     return head + bytes(size - len(head))
 
 
@@ -161,6 +218,11 @@ def decode_train_packet(data: bytes) -> TrainPacket:
         raise TrainError(f"train packet: train of {count} packets (limit {MAX_TRAIN_PACKETS})")
     if index >= count:
         raise TrainError(f"train packet: index {index} of a train of {count}")
+    if len(data) < report_bytes(count):
+        raise TrainTooShortError(
+            f"train packet: {len(data)} bytes, a train of {count} needs "
+            f"{report_bytes(count)} (its report's size)"
+        )
     return TrainPacket(train_id, nonce, index, count)
 
 
@@ -332,10 +394,12 @@ class BandwidthEstimate:
 class _Train:
     nonce: bytes
     count: int
-    peer: tuple[object, ...]  # where the report goes (the last packet's source)
+    peer: Address  # where the report goes (the last packet's source)
+    sock: socket.socket  # and from which of our addresses (the one the packet came to)
     first_rx_ns: int
     last_seen: float  # monotonic
     bytes: int = 0
+    smallest: int = MAX_PACKET_BYTES  # the smallest packet received: the report's cap
     arrivals: list[tuple[int, int]] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
 
@@ -363,61 +427,98 @@ def _sockaddr(address: str, port: int, scope: str | None) -> tuple[int, tuple[ob
     return socket.AF_INET6, (host, port, 0, _scope_id(scope or inline_scope or None))
 
 
-class TrainResponder:
-    """Receives trains on a dual-stack UDP socket and answers each with a report."""
+def _open_train_socket(host: str, port: int) -> socket.socket:
+    """A bound UDP socket with rx timestamps and room for a whole train in its buffer."""
+    sock = open_udp_socket(host, port)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
-    def __init__(self) -> None:
-        self._sock: socket.socket | None = None
+
+class TrainResponder:
+    """Receives trains on its bound addresses and answers each with a report.
+
+    ``limit``: new trains per source (None: no limit); ``allowed``: which sources are
+    answered (default all; the agent passes its peers, see
+    :class:`meshopt.probe.responder.PeerSources`, and may replace :attr:`allowed`).
+    """
+
+    def __init__(
+        self,
+        *,
+        limit: RateLimit | None = DEFAULT_TRAIN_LIMIT,
+        allowed: AllowedSources = any_source,
+    ) -> None:
+        self.allowed = allowed
+        self.buckets = SourceBuckets(limit) if limit is not None else None
+        self._listeners = Listeners("train responder", self._readable, _open_train_socket)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._trains: dict[tuple[object, int], _Train] = {}
-        self._finished: OrderedDict[tuple[object, int, bytes], None] = OrderedDict()
+        self._trains: dict[tuple[SourceAddress, int], _Train] = {}
+        self._finished: OrderedDict[tuple[SourceAddress, int, bytes], None] = OrderedDict()
         self._timer: asyncio.TimerHandle | None = None
         self._logged: set[str] = set()
         self.counters: dict[str, int] = {
             "packets": 0,
+            "accepted": 0,
             "trains": 0,
             "reports": 0,
             "drop_garbage": 0,
+            "drop_short": 0,
             "drop_oversized": 0,
+            "drop_unknown_source": 0,
+            "drop_rate_limited": 0,
             "drop_nonce": 0,
             "drop_late": 0,
             "drop_busy": 0,
             "drop_duplicate": 0,
+            "drop_would_amplify": 0,
             "send_error": 0,
+            "recv_error": 0,
+            "bind_error": 0,
         }
 
     @property
     def port(self) -> int:
-        if self._sock is None:
-            raise MeshoptError("train responder is not started")
-        return int(self._sock.getsockname()[1])
-
-    async def start(self, host: str = "::", port: int = TRAIN_PORT) -> None:
-        family, addr = _sockaddr(host, port, None)
-        sock = socket.socket(family, socket.SOCK_DGRAM)
         try:
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            enable_rx_timestamps(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
-            sock.setblocking(False)
-            sock.bind(addr)
-        except OSError as exc:
-            sock.close()
-            raise MeshoptError(f"train responder cannot listen on [{host}]:{port}: {exc}") from exc
-        self._sock = sock
+            return self._listeners.port
+        except RuntimeError as exc:
+            raise MeshoptError("train responder is not started") from exc
+
+    @property
+    def addresses(self) -> list[str]:
+        """The addresses listened on."""
+        return self._listeners.addresses
+
+    async def start(self, host: str | Iterable[str] = LOOPBACK, port: int = TRAIN_PORT) -> None:
+        """Bind every address in ``host`` on ``port`` (0: a free one) and answer;
+        MeshoptError, with nothing left bound, if one cannot be bound. The agent starts
+        with no address and calls :meth:`listen_on`."""
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.fileno(), self._readable)
+        self._listeners.start(self._loop, port)
+        failed = self._listeners.listen_on(hosts_arg(host))
+        if failed:
+            self.close()
+            where, exc = failed[0]
+            raise MeshoptError(f"train responder cannot listen on [{where}]:{port}: {exc}")
+
+    def listen_on(self, hosts: Iterable[str]) -> None:
+        """Listen on exactly ``hosts`` from now on (the agent: its probe addresses); one
+        that cannot be bound is counted (``bind_error``), logged once, tried next call."""
+        for host, exc in self._listeners.listen_on(hosts):
+            self.counters["bind_error"] += 1
+            if f"bind {host}" not in self._logged:
+                self._logged.add(f"bind {host}")
+                log.warning("train responder: cannot listen on %s: %s", host, exc)
 
     def close(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._sock is not None:
-            if self._loop is not None:
-                self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
-            self._sock = None
+        self._listeners.close()
+        self._loop = None
         self._trains.clear()
 
     async def __aenter__(self) -> TrainResponder:
@@ -432,42 +533,49 @@ class TrainResponder:
             self._logged.add(reason)
             log.warning("train responder: dropped a packet from %s (%s): %s", peer, reason, detail)
 
-    def _readable(self) -> None:
-        sock = self._sock
-        if sock is None:
-            return
+    def _readable(self, sock: socket.socket) -> None:
         for _ in range(256):  # bounded: let the loop breathe under a flood
             try:
                 data, peer, rx = recv_timestamped(sock, MAX_PACKET_BYTES + 1)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                self._drop("garbage", str(exc), None)
+                self.counters["recv_error"] += 1
+                log.debug("train responder: recvmsg failed: %s", exc)
                 return
-            self._on_packet(data, peer, rx or time.time_ns())
+            self._on_packet(sock, data, peer, rx or time.time_ns())
 
-    def _on_packet(self, data: bytes, peer: tuple[object, ...], rx_ns: int) -> None:
+    def _on_packet(self, sock: socket.socket, data: bytes, peer: Address, rx_ns: int) -> None:
         self.counters["packets"] += 1
         if len(data) > MAX_PACKET_BYTES:
             self._drop("oversized", f"{len(data)} bytes", peer)
             return
+        source = source_of(peer)
+        if source is None or not self.allowed(source):
+            self._drop("unknown_source", "not a current peer", peer)
+            return
         try:
             p = decode_train_packet(data)
+        except TrainTooShortError as exc:
+            self._drop("short", str(exc), peer)
+            return
         except TrainError as exc:
             self._drop("garbage", str(exc), peer)
             return
-        host = peer[0]
-        key = (host, p.train_id)
+        key = (source, p.train_id)
         train = self._trains.get(key)
         now = time.monotonic()
         if train is None:
-            if (host, p.train_id, p.nonce) in self._finished:
+            if (source, p.train_id, p.nonce) in self._finished:
                 self._drop("late", f"train {p.train_id} was already answered", peer)
                 return
             if len(self._trains) >= MAX_TRAINS_IN_FLIGHT:
                 self._drop("busy", f"{len(self._trains)} trains in flight", peer)
                 return
-            train = _Train(p.nonce, p.count, peer, rx_ns, now)
+            if self.buckets is not None and not self.buckets.take(source):
+                self._drop("rate_limited", "over its budget of new trains", peer)
+                return
+            train = _Train(p.nonce, p.count, peer, sock, rx_ns, now)
             self._trains[key] = train
             self.counters["trains"] += 1
             self._arm()
@@ -477,18 +585,19 @@ class TrainResponder:
         if p.index in train.seen:
             self._drop("duplicate", f"index {p.index} of train {p.train_id} twice", peer)
             return
+        self.counters["accepted"] += 1
         train.seen.add(p.index)
-        train.peer = peer
+        train.peer, train.sock = peer, sock
         train.last_seen = now
         train.bytes += len(data)
+        train.smallest = min(train.smallest, len(data))
         offset = max(0, rx_ns - train.first_rx_ns)
         train.arrivals.append((p.index, min(offset, 0xFFFFFFFF)))
         if p.index == p.count - 1 or len(train.seen) == p.count:
             self._answer(key)
 
-    def _answer(self, key: tuple[object, int]) -> None:
+    def _answer(self, key: tuple[SourceAddress, int]) -> None:
         train = self._trains.pop(key)
-        peer = train.peer
         self._finished[(key[0], key[1], train.nonce)] = None
         while len(self._finished) > FINISHED_MEMORY:
             self._finished.popitem(last=False)
@@ -496,14 +605,18 @@ class TrainResponder:
         report = TrainReport(
             key[1], train.nonce, train.count, train.bytes, train.first_rx_ns, tuple(arrivals)
         )
-        if self._sock is None:
+        data = encode_report(report)
+        if len(data) > train.smallest:  # cannot happen (decode refuses short packets)
+            self._drop("would_amplify", f"a {len(data)}-byte report", train.peer)
+            return
+        if train.sock.fileno() < 0:  # the address went away (listen_on) or we closed
             return
         try:
-            self._sock.sendto(encode_report(report), peer)
+            train.sock.sendto(data, train.peer)
             self.counters["reports"] += 1
         except OSError as exc:
             self.counters["send_error"] += 1
-            log.debug("train responder: report to %s failed: %s", peer, exc)
+            log.debug("train responder: report to %s failed: %s", train.peer, exc)
 
     def _arm(self) -> None:
         if self._timer is None and self._loop is not None:
@@ -572,7 +685,8 @@ async def estimate_capacity(
 ) -> BandwidthEstimate:
     """Capacity of the path to a :class:`TrainResponder` at ``address`` (see module doc).
 
-    ``packet_bytes`` is the IP packet size of each probe (headers included).
+    ``packet_bytes`` is the IP packet size of each probe (headers included); it caps
+    the train length (:func:`max_train_packets`: no packet is smaller than its report).
     ``train_packets`` fixes every train's length; None (default) sizes trains from
     the estimate so far (see TARGET_DISPERSION_S). Raises :class:`TrainUnansweredError` when
     no train gets a report.
@@ -584,16 +698,23 @@ async def estimate_capacity(
     family, dest = _sockaddr(address, port, scope)
     headers = IPV4_UDP_HEADERS if family == socket.AF_INET else IPV6_UDP_HEADERS
     payload = packet_bytes - headers
-    if not _TRAIN.size <= payload <= MAX_PACKET_BYTES:
+    smallest = report_bytes(2)  # a train of two: the shortest that measures anything
+    if not smallest <= payload <= MAX_PACKET_BYTES:
         raise MeshoptError(
-            f"packet_bytes must be {_TRAIN.size + headers}..{MAX_PACKET_BYTES + headers}, "
+            f"packet_bytes must be {smallest + headers}..{MAX_PACKET_BYTES + headers}, "
             f"not {packet_bytes}"
+        )
+    longest = max_train_packets(payload)
+    if train_packets is not None and train_packets > longest:
+        raise MeshoptError(
+            f"train_packets: {packet_bytes}-byte packets carry trains of at most {longest} "
+            f"(a report may not exceed a packet), not {train_packets}"
         )
     counts = {"bytes_in": 0, "reports": 0, "garbage": 0, "stale": 0}
     capacities: list[float] = []
     sent_packets = 0
     lost = 0
-    length = train_packets or FIRST_TRAIN_PACKETS
+    length = train_packets or min(FIRST_TRAIN_PACKETS, longest)
     started = time.monotonic()
     where = f"[{address}]:{port}" if family == socket.AF_INET6 else f"{address}:{port}"
     with socket.socket(family, socket.SOCK_DGRAM) as sock:
@@ -631,8 +752,11 @@ async def estimate_capacity(
             if cap is not None:
                 capacities.append(cap)
             if train_packets is None:
-                length = next_train_length(
-                    length, report, statistics.median(capacities or [0.0]), packet_bytes
+                length = min(
+                    longest,
+                    next_train_length(
+                        length, report, statistics.median(capacities or [0.0]), packet_bytes
+                    ),
                 )
     duration = time.monotonic() - started
     if not counts["reports"]:
@@ -659,9 +783,9 @@ async def estimate_capacity(
 # --- command line -----------------------------------------------------------------------
 
 
-async def _serve(host: str, port: int) -> None:
-    responder = TrainResponder()
-    await responder.start(host, port)
+async def _serve(args: argparse.Namespace) -> None:
+    responder = TrainResponder(limit=limit_arg(args), allowed=allowed_arg(args))
+    await responder.start(await listen_hosts(args), args.port)
     print(f"READY {responder.port}", flush=True)
     try:
         await asyncio.Event().wait()
@@ -676,7 +800,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--serve", action="store_true", help="run a train responder")
     mode.add_argument("--estimate", metavar="ADDRESS", help="estimate the path to ADDRESS")
-    parser.add_argument("--host", default="::", help="listen address for --serve")
+    add_listen_arguments(parser)  # --host, --interface, --allow, --rate, --burst (--serve)
     parser.add_argument("--port", type=int, default=TRAIN_PORT)
     parser.add_argument("--scope", help="interface of a link-local ADDRESS")
     parser.add_argument("--packet-bytes", type=int, default=DEFAULT_PACKET_BYTES)
@@ -689,7 +813,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.serve:
             with contextlib.suppress(KeyboardInterrupt):
-                asyncio.run(_serve(args.host, args.port))
+                asyncio.run(_serve(args))
             return 0
         est = asyncio.run(
             estimate_capacity(

@@ -9,15 +9,15 @@ skipped rows) beside the topology instead of failing, since real data is messy.
 from __future__ import annotations
 
 import csv
-import gzip
 import math
 import re
 import unicodedata
+import xml.parsers.expat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -26,6 +26,7 @@ from scipy.sparse.csgraph import connected_components, shortest_path
 
 from meshopt.errors import InputError, TopologyError
 from meshopt.topology.geo import fibre_delay_ms, great_circle_km, mean_position
+from meshopt.topology.limits import Limits, TextLines, inner_path, open_text_lines, read_input
 from meshopt.topology.model import NODE_NAME, FloatMatrix, Node, Topology
 from meshopt.units import parse_loss, parse_time_ms
 
@@ -48,7 +49,9 @@ class Imported:
 # --- backbone graphs -------------------------------------------------------------------
 
 
-def import_graph(path: str | Path, *, hop_ms: float = HOP_MS) -> Imported:
+def import_graph(
+    path: str | Path, *, hop_ms: float = HOP_MS, limits: Limits | None = None
+) -> Imported:
     """A full mesh whose pair delays follow the shortest path over the backbone's fibre.
 
     Each backbone edge costs its great-circle fibre delay plus ``hop_ms``. Nodes
@@ -59,41 +62,137 @@ def import_graph(path: str | Path, *, hop_ms: float = HOP_MS) -> Imported:
     source = str(path)
     if not math.isfinite(hop_ms) or hop_ms < 0:
         raise TopologyError(f"hop_ms must be >= 0, got {hop_ms}", source=source)
-    g = _simple_graph(_read_graph(Path(path)))
+    g = _simple_graph(_read_graph(Path(path), limits or Limits()))
     warnings: list[str] = []
     coords = _place_nodes(g, warnings)
     keep = _largest_component(g, coords, warnings, source)
     nodes = _graph_nodes(g, keep, coords)
     delay = _backbone_delays(g, keep, coords, hop_ms)
-    topo = _topology(Path(path).stem, nodes, delay, source=source)
+    topo = _topology(inner_path(Path(path)).stem, nodes, delay, source=source)
     return Imported(topo, warnings)
 
 
-def _read_graph(path: Path) -> Any:
+def _read_graph(path: Path, limits: Limits) -> Any:
+    """The graph of a GML or GraphML file, checked for size and nesting before parsing."""
     source = str(path)
+    graphml = inner_path(path).suffix.lower() == ".graphml"
+    data = read_input(path, limits)
     try:
-        if path.suffix.lower() == ".graphml":
-            return nx.read_graphml(path)
-        return nx.parse_gml(_gml_text(path), label="id")
-    except OSError as e:
-        raise TopologyError(f"cannot read file: {e.strerror or e}", source=source) from None
+        if graphml:
+            _scan_graphml(data, limits, source)
+            return nx.parse_graphml(data)
+        text = _gml_text(data)
+        _scan_gml(text, limits, source)
+        return nx.parse_gml(text, label="id")
+    except TopologyError:
+        raise
     except Exception as e:  # the parsers raise many types; all mean "not a usable graph"
-        kind = "GraphML" if path.suffix.lower() == ".graphml" else "GML"
-        message = " ".join(str(e).split()) or type(e).__name__
+        kind = "GraphML" if graphml else "GML"
+        message = " ".join(str(e).split())[:200] or type(e).__name__
         raise TopologyError(f"cannot parse {kind}: {message}", source=source) from None
 
 
-def _gml_text(path: Path) -> str:
+def _gml_text(data: bytes) -> str:
     """File text declared as a multigraph: many Zoo files repeat edges, which the
     plain GML reader rejects; the duplicates are merged afterwards."""
-    data = path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         text = data.decode("latin-1")
     if re.search(r"^\s*multigraph\s", text, flags=re.M):
         return text
-    return re.sub(r"\bgraph\s*\[", "graph [\n  multigraph 1", text, count=1)
+    return re.sub(r"\bgraph\s*\[", "graph [ multigraph 1", text, count=1)  # same lines
+
+
+_GML_TOKEN = re.compile(r'"[^"]*"|#[^\n]*|\[|\]|[^\s\[\]"#]+')
+# Tokens a backbone file spends per node or edge (Topology Zoo: at most 20) and on
+# its header: more is not a backbone, and networkx would hold every one in memory.
+TOKENS_PER_ENTRY = 40
+TOKENS_BASE = 1000
+
+
+def _scan_gml(text: str, limits: Limits, source: str) -> None:
+    """Bracket depth, node/edge counts and a token budget, before networkx's recursive
+    parser runs (it recurses per bracket and keeps every value)."""
+    depth = nodes = edges = 0
+    for tokens, m in enumerate(_GML_TOKEN.finditer(text), 1):
+        token = m.group()
+        if tokens > TOKENS_BASE + TOKENS_PER_ENTRY * (nodes + edges):
+            raise TopologyError(
+                f"GML: {tokens:,} tokens for {nodes:,} nodes and {edges:,} edges "
+                f"(a backbone needs at most {TOKENS_PER_ENTRY} per node or edge)",
+                source=source,
+                line=_line_of(text, m.start()),
+            )
+        if token == "[":
+            depth += 1
+            if depth > limits.max_depth:
+                message = limits.exceeded("levels of nesting", "max_depth")
+                raise TopologyError(message, source=source, line=_line_of(text, m.start()))
+        elif token == "]":
+            depth -= 1
+        elif depth == 1 and token in ("node", "edge"):
+            if token == "node":
+                nodes += 1
+                over = limits.exceeded("nodes", "max_nodes") if nodes > limits.max_nodes else ""
+            else:
+                edges += 1
+                over = limits.exceeded("edges", "max_pairs") if edges > limits.max_pairs else ""
+            if over:
+                raise TopologyError(over, source=source, line=_line_of(text, m.start()))
+
+
+def _line_of(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _scan_graphml(data: bytes, limits: Limits, source: str) -> None:
+    """Depth and node/edge counts with expat (streaming, no recursion) before the tree
+    is built; a DTD is refused outright, as GraphML needs none and entities can expand."""
+    parser = xml.parsers.expat.ParserCreate()
+    depth = elements = 0
+    counts = {"node": 0, "edge": 0}
+
+    def fail(message: str) -> TopologyError:
+        return TopologyError(message, source=source, line=parser.CurrentLineNumber)
+
+    def start(name: str, attrs: object) -> None:
+        nonlocal depth, elements
+        depth += 1
+        elements += 1
+        entries = counts["node"] + counts["edge"]
+        if elements > TOKENS_BASE + TOKENS_PER_ENTRY * entries:
+            raise fail(
+                f"GraphML: {elements:,} elements for {entries:,} nodes and edges "
+                f"(a backbone needs at most {TOKENS_PER_ENTRY} per node or edge)"
+            )
+        if depth > limits.max_depth:
+            raise fail(limits.exceeded("levels of nesting", "max_depth"))
+        local = name.rpartition(":")[2]
+        if local in counts:
+            counts[local] += 1
+            key = "max_nodes" if local == "node" else "max_pairs"
+            if counts[local] > getattr(limits, key):
+                raise fail(limits.exceeded(f"{local}s", key))
+
+    def end(name: str) -> None:
+        nonlocal depth
+        depth -= 1
+
+    def doctype(*args: object) -> None:
+        raise fail("GraphML with a DTD (<!DOCTYPE>): not accepted (entities could expand)")
+
+    parser.StartElementHandler = start
+    parser.EndElementHandler = end
+    parser.StartDoctypeDeclHandler = doctype
+    parser.EntityDeclHandler = doctype
+    try:
+        parser.Parse(data, True)
+    except xml.parsers.expat.ExpatError as e:
+        message = xml.parsers.expat.ErrorString(e.code)
+        raise TopologyError(
+            f"cannot parse GraphML: {message}", source=source, line=e.lineno
+        ) from None
 
 
 def _simple_graph(g: Any) -> Any:
@@ -116,27 +215,33 @@ def _coordinate(data: dict[str, Any], keys: tuple[str, ...], limit: float) -> fl
 
 
 def _place_nodes(g: Any, warnings: list[str]) -> dict[Any, tuple[float, float]]:
-    """Known coordinates, plus neighbour-centre guesses for the rest, round by round."""
+    """Known coordinates, plus neighbour-centre guesses for the rest, round by round.
+
+    Each round looks only at the neighbours of the nodes placed in the round before
+    (any other unplaced node has no newly placed neighbour), so a long chain of nodes
+    without coordinates costs its edges, not its length times the whole graph.
+    """
     coords: dict[Any, tuple[float, float]] = {}
     for v, data in g.nodes(data=True):
         lat = _coordinate(data, ("Latitude", "latitude", "lat"), 90.0)
         lon = _coordinate(data, ("Longitude", "longitude", "lon", "lng"), 180.0)
         if lat is not None and lon is not None:
             coords[v] = (lat, lon)
+    order = {v: i for i, v in enumerate(g.nodes)}
     guessed = 0
+    placed = list(coords)
     while True:
+        frontier = {u for v in placed for u in g.neighbors(v) if u not in coords}
         found = {}
-        for v in g.nodes:
-            if v in coords:
-                continue
+        for v in sorted(frontier, key=order.__getitem__):
             known = [coords[u] for u in g.neighbors(v) if u in coords]
-            if known:
-                lats, lons = np.array(known).T
-                found[v] = mean_position(lats, lons)
+            lats, lons = np.array(known).T
+            found[v] = mean_position(lats, lons)
         if not found:
             break
         coords.update(found)
         guessed += len(found)
+        placed = list(found)
     if guessed:
         warnings.append(f"placed {guessed} nodes without coordinates at their neighbours' centre")
     lost = [_label(g, v) for v in g.nodes if v not in coords]
@@ -224,12 +329,16 @@ def _short_list(items: Sequence[str], limit: int = 5) -> str:
 class _Pairs:
     """Measured pairs in file order: RTT, RTT jitter and round-trip loss per pair."""
 
+    limits: Limits = field(default_factory=Limits)
     names: list[str] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
     rows: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
 
-    def node(self, name: str) -> int:
+    def node(self, name: str, source: str, line: int) -> int:
         if name not in self.index:
+            if len(self.names) >= self.limits.max_nodes:
+                message = self.limits.exceeded("nodes", "max_nodes")
+                raise TopologyError(message, source=source, line=line)
             self.index[name] = len(self.names)
             self.names.append(name)
         return self.index[name]
@@ -240,6 +349,7 @@ def import_rtt_csv(
     *,
     min_count: int | None = None,
     countries: Sequence[str] | None = None,
+    limits: Limits | None = None,
 ) -> Imported:
     """An RTT matrix, plain (``a,b,rtt_ms[,jitter_ms][,loss]``) or RIPE Atlas, by its header.
 
@@ -247,17 +357,19 @@ def import_rtt_csv(
     no tunnel. ``min_count`` and ``countries`` apply to RIPE Atlas files only.
     """
     source = str(path)
-    with _open_csv(Path(path)) as rows:
+    pairs = _Pairs(limits or Limits())
+    with _open_csv(Path(path), pairs.limits) as rows:
         header = _header(rows, source)
         columns = [c.strip().lower() for c in header[1]]
         if {"cty1", "cty2", "rtt_avg"} <= set(columns):
-            pairs, warnings = _read_ripe(rows, columns, source, min_count, countries)
+            warnings = _read_ripe(rows, columns, source, min_count, countries, pairs)
         elif {"a", "b", "rtt_ms"} <= set(columns):
             if min_count is not None or countries is not None:
                 raise TopologyError(
                     "min_count and countries apply to RIPE Atlas files only", source=source
                 )
-            pairs, warnings = _read_plain(rows, columns, source, header[0]), []
+            _read_plain(rows, columns, source, header[0], pairs)
+            warnings = []
         else:
             raise TopologyError(
                 f"unknown CSV header {','.join(header[1])!r}: expected a,b,rtt_ms "
@@ -269,11 +381,12 @@ def import_rtt_csv(
 
 
 class _CsvRows:
-    """Rows with their line numbers; decoding errors become TopologyError."""
+    """Rows with their line numbers; reading errors become TopologyError."""
 
-    def __init__(self, file: IO[str], source: str) -> None:
+    def __init__(self, lines: TextLines, source: str) -> None:
         self.source = source
-        self._reader = csv.reader(file)
+        self._lines = lines
+        self._reader = csv.reader(lines)
 
     def __iter__(self) -> Iterator[tuple[int, list[str]]]:
         while True:
@@ -281,30 +394,22 @@ class _CsvRows:
                 row = next(self._reader)
             except StopIteration:
                 return
-            except (OSError, EOFError, UnicodeDecodeError, csv.Error) as e:
+            except csv.Error as e:
                 line = self._reader.line_num or None
                 message = " ".join(str(e).split()) or type(e).__name__
                 raise TopologyError(
                     f"cannot read CSV: {message}", source=self.source, line=line
                 ) from None
+            self._lines.row_start = self._lines.line
             if not row or not "".join(row).strip() or row[0].lstrip().startswith("#"):
                 continue
             yield self._reader.line_num, row
 
 
 @contextmanager
-def _open_csv(path: Path) -> Iterator[_CsvRows]:
-    try:
-        with _text_file(path) as file:
-            yield _CsvRows(file, str(path))
-    except OSError as e:
-        raise TopologyError(f"cannot read file: {e.strerror or e}", source=str(path)) from None
-
-
-def _text_file(path: Path) -> IO[str]:
-    if path.name.lower().endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", newline="")
-    return path.open(encoding="utf-8", newline="")
+def _open_csv(path: Path, limits: Limits) -> Iterator[_CsvRows]:
+    with open_text_lines(path, limits) as lines:
+        yield _CsvRows(lines, str(path))
 
 
 def _header(rows: _CsvRows, source: str) -> tuple[int, list[str]]:
@@ -313,7 +418,9 @@ def _header(rows: _CsvRows, source: str) -> tuple[int, list[str]]:
     raise TopologyError("empty CSV file", source=source)
 
 
-def _read_plain(rows: _CsvRows, columns: list[str], source: str, header_line: int) -> _Pairs:
+def _read_plain(
+    rows: _CsvRows, columns: list[str], source: str, header_line: int, pairs: _Pairs
+) -> None:
     unknown = [c for c in columns if c not in PLAIN_COLUMNS]
     if unknown or len(set(columns)) != len(columns):
         raise TopologyError(
@@ -321,7 +428,6 @@ def _read_plain(rows: _CsvRows, columns: list[str], source: str, header_line: in
             source=source,
             line=header_line,
         )
-    pairs = _Pairs()
     for line, row in rows:
         values = _row_dict(row, columns, source, line)
         a, b = _pair_names(values["a"], values["b"], source, line)
@@ -332,7 +438,6 @@ def _read_plain(rows: _CsvRows, columns: list[str], source: str, header_line: in
         except InputError as e:
             raise TopologyError(e.message, source=source, line=line) from None
         _add_pair(pairs, a, b, (rtt, jitter, loss), source, line)
-    return pairs
 
 
 def _read_ripe(
@@ -341,11 +446,11 @@ def _read_ripe(
     source: str,
     min_count: int | None,
     countries: Sequence[str] | None,
-) -> tuple[_Pairs, list[str]]:
+    pairs: _Pairs,
+) -> list[str]:
     """RIPE Atlas aggregates: rtt_avg as the RTT, rtt_std (capped) as its jitter."""
     min_count = RIPE_MIN_COUNT if min_count is None else min_count
     wanted = _country_filter(countries, source)
-    pairs = _Pairs()
     few = pseudo = same = 0
     for line, row in rows:
         values = _row_dict(row, columns, source, line)
@@ -372,7 +477,7 @@ def _read_ripe(
         warnings.append(f"skipped {pseudo} rows whose code is not a country (None, Unknown, EU)")
     if wanted is not None and (absent := sorted(wanted - set(pairs.names))):
         warnings.append(f"countries without usable pairs: {', '.join(absent)}")
-    return pairs, warnings
+    return warnings
 
 
 def _country_filter(countries: Sequence[str] | None, source: str) -> set[str] | None:
@@ -425,10 +530,12 @@ def _pair_names(a: str, b: str, source: str, line: int) -> tuple[str, str]:
 def _add_pair(
     pairs: _Pairs, a: str, b: str, values: tuple[float, float, float], source: str, line: int
 ) -> None:
-    i, j = pairs.node(a), pairs.node(b)
+    i, j = pairs.node(a, source, line), pairs.node(b, source, line)
     key = (min(i, j), max(i, j))
     if key in pairs.rows:
         raise TopologyError(f"duplicate pair {a},{b}", source=source, line=line)
+    if len(pairs.rows) >= pairs.limits.max_pairs:
+        raise TopologyError(pairs.limits.exceeded("pairs", "max_pairs"), source=source, line=line)
     pairs.rows[key] = values
 
 

@@ -1,8 +1,9 @@
 """One way in for every topology source, so every command accepts all of them.
 
 ``load_topology`` takes what a user types: a file (YAML, GML/GraphML, CSV RTT
-matrix, optionally with ``?key=value&...`` importer options) or a generator
-spec ``gen:KIND:key=value,...``.
+matrix, each optionally .gz/.bz2/.xz, and with ``?key=value&...`` importer options)
+or a generator spec ``gen:KIND:key=value,...``. Every file is read within
+:class:`~meshopt.topology.limits.Limits`, so a hostile one is one TopologyError.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from meshopt.configfile import printable
 from meshopt.errors import InputError, TopologyError
 from meshopt.topology.generators import GENERATORS, generate
 from meshopt.topology.importers import HOP_MS, Imported, import_graph, import_rtt_csv
+from meshopt.topology.limits import Limits, compression, inner_path
 from meshopt.topology.model import Topology
 from meshopt.topology.yamlfile import load_yaml, save_yaml
 from meshopt.units import parse_time_ms
@@ -23,30 +26,64 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 KINDS = {".yaml": "yaml", ".yml": "yaml", ".gml": "graph", ".graphml": "graph", ".csv": "csv"}
-KINDS_HELP = ".yaml, .yml, .gml, .graphml, .csv, .csv.gz, or gen:KIND:key=value,..."
+KINDS_HELP = (
+    ".yaml, .yml, .gml, .graphml, .csv (each also as .gz, .bz2 or .xz), or gen:KIND:key=value,..."
+)
 
 
 def load_topology(
-    spec: str, *, seed: int | None = None, warnings: list[str] | None = None
+    spec: str,
+    *,
+    seed: int | None = None,
+    warnings: list[str] | None = None,
+    limits: Limits | None = None,
 ) -> Topology:
     """Load a file or build a generator spec; every bad input raises TopologyError.
 
     ``seed`` is the generator seed when the spec has none. Importer warnings
     (dropped nodes, skipped rows) are logged and, if given, appended to ``warnings``.
+    ``limits`` default to :meth:`Limits.from_env`. MemoryError and RecursionError are
+    the last wall behind the limits: they too end as one line, not a traceback.
     """
+    limits = limits or Limits.from_env()
+    source = printable(spec[:200])
+    try:
+        topo = _load(spec, seed, warnings, limits)
+    except InputError as e:  # one line even for a file name or value with a newline
+        if str(e).isprintable():
+            raise
+        raise type(e)(printable(e.message), source=printable(e.source), line=e.line) from None
+    except MemoryError:
+        raise TopologyError(
+            "not enough memory to load this topology (lower --max-nodes/--max-pairs)",
+            source=source,
+        ) from None
+    except RecursionError:
+        raise TopologyError("nested too deeply to load", source=source) from None
+    if topo.n > limits.max_nodes:
+        raise TopologyError(limits.exceeded("nodes", "max_nodes"), source=source)
+    return topo
+
+
+def _load(spec: str, seed: int | None, warnings: list[str] | None, limits: Limits) -> Topology:
     if spec.startswith("gen:"):
         return generate(spec, seed=seed)
     path, options = split_options(spec)
     kind = file_kind(path)
-    if not path.exists():
+    try:
+        exists, regular = path.exists(), path.is_file()
+    except (OSError, ValueError) as e:  # a name too long, a NUL byte, no permission
+        reason = getattr(e, "strerror", None) or str(e)
+        raise TopologyError(f"cannot read file: {reason}", source=str(path)[:200]) from None
+    if not exists:
         raise TopologyError("no such file", source=str(path))
-    if not path.is_file():
+    if not regular:
         raise TopologyError("not a regular file", source=str(path))
     if kind == "yaml":
         if options:
             raise TopologyError("YAML files take no ?options", source=str(path))
-        return load_yaml(path)
-    imported = _import(kind, path, options)
+        return load_yaml(path, limits)
+    imported = _import(kind, path, options, limits)
     for message in imported.warnings:
         log.warning("%s: %s", path, message)
         if warnings is not None:
@@ -63,12 +100,11 @@ def save_topology(topo: Topology, path: str | Path) -> None:
 
 def file_kind(path: Path) -> str:
     """'yaml', 'graph' or 'csv' from the file name (``.csv.gz`` counts as csv)."""
-    name = path.name.lower()
-    suffix = path.suffix.lower()
-    if name.endswith(".csv.gz"):
-        return "csv"
+    suffix = inner_path(path).suffix.lower()
     if suffix in KINDS:
         return KINDS[suffix]
+    if compression(path) and not suffix:
+        suffix = path.suffix.lower()
     what = f"file type {suffix!r}" if suffix else "file without an extension"
     raise TopologyError(
         f"unknown topology {what} (use {KINDS_HELP}; generators: {', '.join(GENERATORS)})",
@@ -78,7 +114,7 @@ def file_kind(path: Path) -> str:
 
 def split_options(spec: str) -> tuple[Path, dict[str, str]]:
     """'file.csv.gz?min_count=50&countries=DE,FR' -> path and options (a file named so wins)."""
-    if "?" not in spec or Path(spec).exists():
+    if "?" not in spec or _exists(Path(spec)):
         return Path(spec), {}
     path, _, query = spec.partition("?")
     options: dict[str, str] = {}
@@ -93,7 +129,14 @@ def split_options(spec: str) -> tuple[Path, dict[str, str]]:
     return Path(path), options
 
 
-def _import(kind: str, path: Path, options: dict[str, str]) -> Imported:
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _import(kind: str, path: Path, options: dict[str, str], limits: Limits) -> Imported:
     allowed = ("hop_ms",) if kind == "graph" else ("min_count", "countries")
     for key in options:
         if key not in allowed:
@@ -101,11 +144,12 @@ def _import(kind: str, path: Path, options: dict[str, str]) -> Imported:
             raise TopologyError(f"unknown option {key!r} (use {known})", source=str(path))
     if kind == "graph":
         hop_ms = _option(options, "hop_ms", lambda v: parse_time_ms(v, "hop_ms"), path)
-        return import_graph(path, hop_ms=HOP_MS if hop_ms is None else hop_ms)
+        return import_graph(path, hop_ms=HOP_MS if hop_ms is None else hop_ms, limits=limits)
     return import_rtt_csv(
         path,
         min_count=_option(options, "min_count", _count, path),
         countries=_option(options, "countries", _codes, path),
+        limits=limits,
     )
 
 
@@ -119,8 +163,8 @@ def _option(options: dict[str, str], key: str, parse: Callable[[str], T], path: 
 
 
 def _count(text: str) -> int:
-    if not text.isdigit():
-        raise InputError(f"expected a whole number >= 0, got {text!r}")
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+        raise InputError(f"expected a whole number >= 0, got {text[:40]!r}")
     return int(text)
 
 

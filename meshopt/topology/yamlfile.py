@@ -8,17 +8,31 @@ documents the format.
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import yaml
+from yaml.events import (
+    AliasEvent,
+    DocumentStartEvent,
+    MappingEndEvent,
+    MappingStartEvent,
+    ScalarEvent,
+    SequenceEndEvent,
+    SequenceStartEvent,
+)
 
 from meshopt.errors import InputError, TopologyError
 from meshopt.topology.geo import distance_matrix_km, fibre_delay_ms
+from meshopt.topology.limits import Limits, inner_path, read_input
 from meshopt.topology.model import NODE_NAME, FloatMatrix, Node, Topology
 from meshopt.units import parse_loss, parse_rate_mbit, parse_time_ms
 
@@ -34,45 +48,205 @@ Props = dict[str, float]  # subset of LINK_KEYS -> value in ms, fraction or Mbit
 # where the pure-Python parser and emitter take several times longer.
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _Dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+_RESOLVER = yaml.resolver.Resolver()
+
+# The composer's budget: a node or pair entry is at most its key, a mapping and four
+# key/value pairs; the top level adds name, description, defaults and a few keys.
+VALUES_PER_ENTRY = 10
+VALUES_BASE = 64
+_SECTIONS = {"nodes": "nodes", "underlay": "pairs", "tunnels": "pairs"}
+_NODE_EVENTS = (ScalarEvent, MappingStartEvent, SequenceStartEvent, AliasEvent)
 
 
 # --- reading -------------------------------------------------------------------------
 
 
-def load_yaml(path: str | Path) -> Topology:
+def load_yaml(path: str | Path, limits: Limits | None = None) -> Topology:
     """Read a topology file; every problem becomes a TopologyError naming file and line."""
-    source = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise TopologyError(f"cannot read file: {e.strerror or e}", source=source) from None
-    return parse_yaml(data, source=source, default_name=Path(path).stem)
+    limits = limits or Limits()
+    data = read_input(Path(path), limits)
+    return parse_yaml(
+        data, source=str(path), default_name=inner_path(Path(path)).stem, limits=limits
+    )
 
 
 def parse_yaml(
-    data: str | bytes, *, source: str = "<string>", default_name: str = "topology"
+    data: str | bytes,
+    *,
+    source: str = "<string>",
+    default_name: str = "topology",
+    limits: Limits | None = None,
 ) -> Topology:
     """Parse the YAML format from text (tests and generated files go through here too)."""
-    reader = _Reader(source)
-    root = reader.compose(data)
-    return _Builder(reader, default_name).build(root)
+    reader = _Reader(source, limits or Limits())
+    with _collector_paused():
+        root = reader.compose(data)
+        return _Builder(reader, default_name).build(root)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No garbage collection while the node tree is built and read: the collector would
+    scan the growing tree again and again (half the time of a 300-node file with every
+    pair listed) and there is no garbage to find."""
+    collect = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collect:
+            gc.enable()
+
+
+class _Frame:
+    """An open mapping or sequence while composing: its node, a key waiting for its
+    value, and which counted section ('nodes' or 'pairs') its entries belong to."""
+
+    __slots__ = ("is_map", "key", "node", "section")
+
+    def __init__(self, node: yaml.Node, section: str | None) -> None:
+        self.node = node
+        self.is_map = isinstance(node, yaml.MappingNode)
+        self.key: yaml.Node | None = None
+        self.section = section
 
 
 class _Reader:
     """Turns YAML nodes into checked Python values, attaching the line to every error."""
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, limits: Limits | None = None) -> None:
         self.source = source
+        self.limits = limits or Limits()
         self._ctor = yaml.SafeLoader("")
+        self._tags: dict[str, str] = {}
 
     def error(self, message: str, node: yaml.Node | None = None) -> TopologyError:
         line = node.start_mark.line + 1 if node is not None else None
         return TopologyError(message, source=self.source, line=line)
 
+    def _at(self, message: str, event: yaml.Event) -> TopologyError:
+        line = event.start_mark.line + 1 if event.start_mark is not None else None
+        return TopologyError(message, source=self.source, line=line)
+
+    def _compose_events(self, text: str) -> yaml.Node | None:
+        """yaml.compose without recursion and within the limits, in one pass over events.
+
+        libyaml's composer recurses in C: 25,000 nested brackets overflow the stack
+        (SIGSEGV), and a file is composed whole before any count can be checked. Here
+        depth, node and pair counts and the number of values are checked as each event
+        arrives, so a hostile file stops at the first value over a limit.
+        """
+        lim = self.limits
+        root: yaml.Node | None = None
+        stack: list[_Frame] = []
+        anchors: dict[str, yaml.Node] = {}
+        counts = {"nodes": 0, "pairs": 0}
+        values = documents = 0
+        budget = VALUES_BASE
+        for event in yaml.parse(text, Loader=_Loader):
+            kind = type(event)
+            if kind is MappingEndEvent or kind is SequenceEndEvent:
+                stack.pop()
+                continue
+            if kind is DocumentStartEvent:
+                documents += 1
+                if documents > 1:
+                    raise self._at("YAML: expected a single document, found another", event)
+                continue
+            if kind not in _NODE_EVENTS:  # stream and document ends
+                continue
+            node = self._node(event, kind, anchors)
+            values += 1
+            section: str | None = None
+            if stack:
+                top = stack[-1]
+                counted = top.section
+                if not top.is_map:
+                    top.node.value.append(node)
+                elif top.key is None:
+                    top.key = node
+                else:
+                    top.node.value.append((top.key, node))
+                    if len(stack) == 1 and isinstance(top.key, yaml.ScalarNode):
+                        section = _SECTIONS.get(str(top.key.value))
+                    top.key = None
+                    counted = None  # counted at its key
+                if counted is not None:
+                    counts[counted] += 1
+                    budget += VALUES_PER_ENTRY
+                    key = "max_nodes" if counted == "nodes" else "max_pairs"
+                    if counts[counted] > getattr(lim, key):
+                        what = "nodes" if counted == "nodes" else "pairs (underlay and tunnels)"
+                        raise self._at(lim.exceeded(what, key), event)
+            else:
+                root = node
+            if values > budget:
+                raise self._at(
+                    f"YAML: {values:,} values for {counts['nodes']:,} nodes and "
+                    f"{counts['pairs']:,} pairs (a topology holds at most "
+                    f"{VALUES_PER_ENTRY} per node or pair)",
+                    event,
+                )
+            if kind is MappingStartEvent or kind is SequenceStartEvent:
+                stack.append(_Frame(node, section))
+                if len(stack) > lim.max_depth:
+                    raise self._at(lim.exceeded("levels of nesting", "max_depth"), event)
+        return root
+
+    def _node(
+        self, event: yaml.Event, kind: type[yaml.Event], anchors: dict[str, yaml.Node]
+    ) -> yaml.Node:
+        """The node an event opens (or, for an alias, the node it names)."""
+        if kind is AliasEvent:
+            assert isinstance(event, AliasEvent)
+            if event.anchor not in anchors:
+                raise self._at(f"YAML: found undefined alias {event.anchor!r}", event)
+            return anchors[event.anchor]
+        node: yaml.Node
+        # One mark for both ends: the builder only needs the line. libyaml's marks are
+        # its own class with the same attributes.
+        mark = cast(yaml.Mark, event.start_mark)
+        if kind is ScalarEvent:
+            assert isinstance(event, ScalarEvent)
+            tag = event.tag
+            if tag is None or tag == "!":
+                tag = self._scalar_tag(event.value, event.implicit)
+            node = yaml.ScalarNode(tag, event.value, mark, mark, style=event.style)
+        elif kind is MappingStartEvent:
+            assert isinstance(event, MappingStartEvent)
+            tag = event.tag
+            if tag is None or tag == "!":
+                tag = _RESOLVER.DEFAULT_MAPPING_TAG
+            node = yaml.MappingNode(tag, [], mark, mark, flow_style=event.flow_style)
+        else:
+            assert isinstance(event, SequenceStartEvent)
+            tag = event.tag
+            if tag is None or tag == "!":
+                tag = _RESOLVER.DEFAULT_SEQUENCE_TAG
+            node = yaml.SequenceNode(tag, [], mark, mark, flow_style=event.flow_style)
+        anchor = event.anchor
+        if anchor is not None:
+            if anchor in anchors:
+                raise self._at(f"YAML: found duplicate anchor {anchor!r}", event)
+            anchors[anchor] = node
+        return node
+
+    def _scalar_tag(self, value: str, implicit: tuple[bool, bool]) -> str:
+        """The tag PyYAML's resolver gives an untagged scalar; plain ones are cached by
+        value (a mesh file repeats '10ms' and node names thousands of times)."""
+        if not implicit[0]:  # quoted: a string, as the resolver has it
+            return _RESOLVER.DEFAULT_SCALAR_TAG
+        tag = self._tags.get(value)
+        if tag is None:
+            tag = _resolve(yaml.ScalarNode, value, implicit)
+            if len(self._tags) < 4096:
+                self._tags[value] = tag
+        return tag
+
     def compose(self, data: str | bytes) -> yaml.Node:
         text = _decode(data, self.source) if isinstance(data, bytes) else data
         try:
-            root = yaml.compose(text, Loader=_Loader)
+            root = self._compose_events(text)
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             line = mark.line + 1 if mark is not None else None
@@ -142,6 +316,11 @@ class _Reader:
             return parse_time_ms(value, key)
         except InputError as e:
             raise self.error(e.message, node) from None
+
+
+def _resolve(kind: type[yaml.Node], value: str | None, implicit: object) -> str:
+    """The implicit tag of a node, as PyYAML's composer resolves it."""
+    return cast(str, _RESOLVER.resolve(kind, value, implicit))  # type: ignore[no-untyped-call]
 
 
 def is_null(node: yaml.Node) -> bool:

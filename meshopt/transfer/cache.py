@@ -21,16 +21,25 @@ import msgspec
 
 from meshopt.transfer.chunking import DIGEST_SIZE, Manifest, chunk_digest
 
+NS_LEN = 32  # hex characters of a namespace directory
+
 
 class ChunkStore:
-    """Chunk blobs in ``root/ab/abcd...``, at most ``max_bytes`` in all (0: disabled)."""
+    """Chunk blobs in ``root/[ns/]ab/abcd...``, at most ``max_bytes`` in all (0: disabled).
 
-    def __init__(self, root: Path, max_bytes: int) -> None:
+    ``ns`` is a namespace (the receiver uses one per sender: a sender may only reuse,
+    or learn the presence of, chunks it sent itself); "" is the plain layout. Every
+    namespace shares the one size cap and least-recently-used order. ``min_free``: a
+    put that would leave less free space on the filesystem is skipped.
+    """
+
+    def __init__(self, root: Path, max_bytes: int, *, min_free: int = 0) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.min_free = min_free
         self._lock = threading.Lock()
-        self._sizes: dict[bytes, int] = {}
-        self._used: dict[bytes, float] = {}
+        self._sizes: dict[tuple[str, bytes], int] = {}
+        self._used: dict[tuple[str, bytes], float] = {}
         self.total = 0
         self.evicted = 0
         if max_bytes > 0:
@@ -41,59 +50,79 @@ class ChunkStore:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def _path(self, digest: bytes) -> Path:
+    @staticmethod
+    def namespace(identity: str) -> str:
+        """A directory name for ``identity`` (any string: it never reaches the path)."""
+        return hashlib.sha256(identity.encode()).hexdigest()[:NS_LEN]
+
+    def _path(self, key: tuple[str, bytes]) -> Path:
+        ns, digest = key
         h = digest.hex()
-        return self.root / h[:2] / h
+        return (self.root / ns if ns else self.root) / h[:2] / h
 
     def _scan(self) -> None:
-        for sub in self.root.iterdir():
-            if not sub.is_dir() or len(sub.name) != 2:
+        for top in self.root.iterdir():
+            if not top.is_dir():
                 continue
-            for f in sub.iterdir():
-                try:
-                    digest = bytes.fromhex(f.name)
-                    st = f.stat()
-                except (ValueError, OSError):
-                    continue
-                if len(digest) != DIGEST_SIZE or f.name.endswith(".tmp"):
-                    continue
-                self._sizes[digest] = st.st_size
-                self._used[digest] = st.st_mtime
-                self.total += st.st_size
+            if len(top.name) == 2:
+                self._scan_dir("", top)
+            elif len(top.name) == NS_LEN:
+                for sub in top.iterdir():
+                    if sub.is_dir() and len(sub.name) == 2:
+                        self._scan_dir(top.name, sub)
         self._evict(0)
 
-    def has(self, digest: bytes) -> bool:
-        with self._lock:
-            return digest in self._sizes
+    def _scan_dir(self, ns: str, sub: Path) -> None:
+        for f in sub.iterdir():
+            try:
+                digest = bytes.fromhex(f.name)
+                st = f.stat()
+            except (ValueError, OSError):
+                continue
+            if len(digest) != DIGEST_SIZE or f.name.endswith(".tmp"):
+                continue
+            self._sizes[ns, digest] = st.st_size
+            self._used[ns, digest] = st.st_mtime
+            self.total += st.st_size
 
-    def get(self, digest: bytes) -> bytes | None:
+    def has(self, digest: bytes, ns: str = "") -> bool:
+        with self._lock:
+            return (ns, digest) in self._sizes
+
+    def get(self, digest: bytes, ns: str = "") -> bytes | None:
         """The chunk's bytes, or None when absent or damaged (a damaged blob is removed)."""
-        if not self.has(digest):
+        key = (ns, digest)
+        if not self.has(digest, ns):
             return None
-        path = self._path(digest)
+        path = self._path(key)
         try:
             data = path.read_bytes()
         except OSError:
-            self._forget(digest)
+            self._forget(key)
             return None
         if chunk_digest(data) != digest:
-            self._forget(digest)
+            self._forget(key)
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
         with self._lock:
-            self._used[digest] = _now()
+            self._used[key] = _now()
         return data
 
-    def put(self, digest: bytes, data: bytes | memoryview) -> bool:
+    def put(self, digest: bytes, data: bytes | bytearray | memoryview, ns: str = "") -> bool:
         """Store a chunk (best effort: a full disk or a chunk over the cap skips it)."""
+        key = (ns, digest)
         size = len(data)
-        if not self.enabled or size > self.max_bytes or self.has(digest):
+        if not self.enabled or size > self.max_bytes or self.has(digest, ns):
             return False
-        path = self._path(digest)
+        path = self._path(key)
         tmp = path.with_name(path.name + ".tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
+            if self.min_free:
+                st = os.statvfs(self.root)
+                if st.f_bavail * st.f_frsize - size < self.min_free:
+                    return False
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
@@ -102,16 +131,16 @@ class ChunkStore:
                 tmp.unlink()
             return False
         with self._lock:
-            self._sizes[digest] = size
-            self._used[digest] = _now()
+            self._sizes[key] = size
+            self._used[key] = _now()
             self.total += size
         self._evict(0)
         return True
 
-    def _forget(self, digest: bytes) -> None:
+    def _forget(self, key: tuple[str, bytes]) -> None:
         with self._lock:
-            size = self._sizes.pop(digest, 0)
-            self._used.pop(digest, None)
+            size = self._sizes.pop(key, 0)
+            self._used.pop(key, None)
             self.total -= size
 
     def _evict(self, room: int) -> None:
@@ -121,15 +150,15 @@ class ChunkStore:
                 return
             order = sorted(self._used, key=self._used.__getitem__)
             victims = []
-            for digest in order:
+            for key in order:
                 if self.total + room <= self.max_bytes:
                     break
-                victims.append(digest)
-                self.total -= self._sizes.pop(digest)
-                del self._used[digest]
-        for digest in victims:
+                victims.append(key)
+                self.total -= self._sizes.pop(key)
+                del self._used[key]
+        for key in victims:
             with contextlib.suppress(OSError):
-                self._path(digest).unlink()
+                self._path(key).unlink()
             self.evicted += 1
 
 
@@ -148,7 +177,8 @@ class StoreWriter:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-store")
 
-    def put(self, digest: bytes, data: bytes) -> None:
+    def put(self, digest: bytes, data: bytes | bytearray, ns: str = "") -> None:
+        """Queue a chunk; ``data`` must not change afterwards."""
         if not self.store.enabled:
             return
         with self._lock:
@@ -156,11 +186,11 @@ class StoreWriter:
                 self.skipped += 1
                 return
             self._backlog += len(data)
-        self._pool.submit(self._put, digest, data)
+        self._pool.submit(self._put, digest, data, ns)
 
-    def _put(self, digest: bytes, data: bytes) -> None:
+    def _put(self, digest: bytes, data: bytes | bytearray, ns: str) -> None:
         try:
-            self.store.put(digest, data)
+            self.store.put(digest, data, ns)
         finally:
             with self._lock:
                 self._backlog -= len(data)
@@ -193,6 +223,7 @@ class _Record(msgspec.Struct, frozen=True):
     file_hash: bytes
     digests: bytes
     lengths: list[int]
+    owner: str = ""  # the receiver's: who sent this file ("": unknown)
 
 
 def stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -210,6 +241,11 @@ class ManifestCache:
         return self.root / name[:2] / name
 
     def get(self, file: Path) -> Manifest | None:
+        got = self.get_owned(file)
+        return None if got is None else got[0]
+
+    def get_owned(self, file: Path) -> tuple[Manifest, str] | None:
+        """(manifest, owner) while ``file`` is unchanged since it was recorded."""
         try:
             st = file.stat()
             rec = msgspec.msgpack.decode(self._path(file).read_bytes(), type=_Record)
@@ -217,9 +253,16 @@ class ManifestCache:
             return None
         if rec.key != stat_key(st) or rec.scheme != HASH_SCHEME:
             return None
-        return Manifest(rec.size, rec.file_hash, rec.digests, tuple(rec.lengths))
+        return Manifest(rec.size, rec.file_hash, rec.digests, tuple(rec.lengths)), rec.owner
 
-    def put(self, file: Path, manifest: Manifest, st: os.stat_result | None = None) -> None:
+    def put(
+        self,
+        file: Path,
+        manifest: Manifest,
+        st: os.stat_result | None = None,
+        *,
+        owner: str = "",
+    ) -> None:
         """Remember ``manifest`` for ``file`` (``st``: its stat when it was hashed)."""
         try:
             st = st or file.stat()
@@ -230,6 +273,7 @@ class ManifestCache:
                 manifest.file_hash,
                 manifest.digests,
                 list(manifest.lengths),
+                owner,
             )
             path = self._path(file)
             path.parent.mkdir(parents=True, exist_ok=True)

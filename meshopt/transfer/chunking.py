@@ -13,8 +13,9 @@ from pathlib import Path
 
 from pyfastcdc.cy import FastCDC
 
-CHUNK_MIN = 16 * 1024
-CHUNK_MAX = 256 * 1024
+from meshopt.transfer.protocol import CHUNK_MAX as CHUNK_MAX
+from meshopt.transfer.protocol import CHUNK_MIN as CHUNK_MIN
+
 # pyfastcdc's real average is avg_size + min_size (cut-point skipping): ~64 KiB here.
 _AVG_PARAM = 48 * 1024
 CHUNK_AVG = _AVG_PARAM + CHUNK_MIN
@@ -23,7 +24,7 @@ DIGEST_SIZE = 32  # sha256: hardware-accelerated here (~1.8 GB/s, blake2b ~1.2 G
 _cdc = FastCDC(_AVG_PARAM, min_size=CHUNK_MIN, max_size=CHUNK_MAX)
 
 
-def chunk_digest(data: bytes | memoryview) -> bytes:
+def chunk_digest(data: bytes | bytearray | memoryview) -> bytes:
     return hashlib.sha256(data).digest()
 
 

@@ -5,7 +5,10 @@ the partial file was fsynced. Each chunk is checked against its digest just befo
 written, and the digests are bound to the offer's file hash, so the whole file is never
 read back; chunks an earlier run claims to have written are read back and checked when
 the partial file is resumed (its state file may have outlived the data). An interrupted
-transfer leaves the partial and its state so the next offer asks only for what is missing.
+transfer leaves the partial and its state so the next offer from the same sender asks
+only for what is missing; another sender starts afresh. Nothing is reserved up front:
+the partial file holds only the chunks that arrived (a sender that lies about the size
+costs the receiver nothing it did not send).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class _State(msgspec.Struct):
     size: int
     count: int
     done: bytes  # one byte per chunk: 1 = written to the partial file
+    owner: str = ""  # the sender's identity: only it may resume
 
 
 def part_paths(target: Path) -> tuple[Path, Path]:
@@ -52,27 +56,32 @@ def no_space(exc: OSError) -> bool:
 class PartFile:
     """The partial file of one transfer; not shared between concurrent transfers."""
 
-    def __init__(self, target: Path, manifest: Manifest, fd: int, done: bytearray) -> None:
+    def __init__(
+        self, target: Path, manifest: Manifest, fd: int, done: bytearray, owner: str = ""
+    ) -> None:
         self.target = target
         self.manifest = manifest
+        self.owner = owner
         self.part, self.state = part_paths(target)
         self.fd = fd
         self.done = done
         self.offsets = manifest.offsets()
         self.resumed = sum(done)
+        self.written = sum(n for n, d in zip(manifest.lengths, done, strict=True) if d)
         self._saved_at = time.monotonic()
         self._state_lock = threading.Lock()  # the cache fill runs in a thread
         self._unflushed = 0
         self._flusher: threading.Thread | None = None
 
     @classmethod
-    def open(cls, target: Path, manifest: Manifest) -> PartFile:
-        """Resume a matching partial file, or start a new one with its space reserved."""
+    def open(cls, target: Path, manifest: Manifest, owner: str = "") -> PartFile:
+        """Resume ``owner``'s matching partial file, or start an empty one."""
         part, state_path = part_paths(target)
         st = _load_state(state_path)
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
         if (
             st is not None
+            and st.owner == owner
             and st.file_hash == manifest.file_hash
             and st.size == manifest.size
             and st.count == manifest.count
@@ -80,8 +89,8 @@ class PartFile:
         ):
             try:
                 fd = os.open(part, flags)
-                if os.fstat(fd).st_size == manifest.size:
-                    job = cls(target, manifest, fd, bytearray(st.done))
+                if os.fstat(fd).st_size <= manifest.size:
+                    job = cls(target, manifest, fd, bytearray(st.done), owner)
                     job.recheck()
                     return job
                 os.close(fd)
@@ -90,16 +99,7 @@ class PartFile:
         with contextlib.suppress(FileNotFoundError):
             state_path.unlink()
         fd = os.open(part, flags | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            if manifest.size:
-                # Reserve the space now: a full disk fails here, before any byte is sent.
-                os.posix_fallocate(fd, 0, manifest.size)
-        except OSError:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                part.unlink()
-            raise
-        return cls(target, manifest, fd, bytearray(manifest.count))
+        return cls(target, manifest, fd, bytearray(manifest.count), owner)
 
     def missing(self) -> list[int]:
         return [i for i, d in enumerate(self.done) if not d]
@@ -111,10 +111,16 @@ class PartFile:
             if d and chunk_digest(os.pread(self.fd, m.lengths[i], self.offsets[i])) != m.digest(i):
                 self.done[i] = 0
         self.resumed = sum(self.done)
+        self.written = sum(n for n, d in zip(m.lengths, self.done, strict=True) if d)
 
-    def write(self, i: int, data: bytes | memoryview) -> None:
+    def write(self, i: int, data: bytes | bytearray | memoryview) -> None:
+        if len(data) != self.manifest.lengths[i]:  # callers check; a wrong size never lands
+            raise TransferError(f"chunk {i}: wrong length", code="corrupt")
         os.pwrite(self.fd, data, self.offsets[i])
-        self.done[i] = 1
+        with self._state_lock:
+            if not self.done[i]:
+                self.written += len(data)
+            self.done[i] = 1
         self._unflushed += len(data)
         if self._unflushed >= FLUSH_BYTES:
             self._flush_behind()
@@ -145,8 +151,10 @@ class PartFile:
         store: ChunkStore,
         basis: Path | None,
         basis_offsets: dict[bytes, int],
+        ns: str = "",
     ) -> list[int]:
-        """Copy chunks from the cache or the previous version; the indices that failed."""
+        """Copy chunks from the cache (namespace ``ns``) or the previous version; the
+        indices that failed."""
         failed: list[int] = []
         bfd = None
         if basis is not None:
@@ -155,7 +163,7 @@ class PartFile:
         try:
             for i in indices:
                 digest = self.manifest.digest(i)
-                data = store.get(digest)
+                data = store.get(digest, ns)
                 if data is None and bfd is not None and digest in basis_offsets:
                     data = os.pread(bfd, self.manifest.lengths[i], basis_offsets[digest])
                     if chunk_digest(data) != digest:
@@ -175,7 +183,11 @@ class PartFile:
 
     def _save_state(self) -> None:
         st = _State(
-            self.manifest.file_hash, self.manifest.size, self.manifest.count, bytes(self.done)
+            self.manifest.file_hash,
+            self.manifest.size,
+            self.manifest.count,
+            bytes(self.done),
+            self.owner,
         )
         tmp = self.state.with_name(self.state.name + ".tmp")
         try:

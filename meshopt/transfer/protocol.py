@@ -3,6 +3,11 @@
 sender -> receiver: Offer, then Chunk* and Done; receiver -> sender: Need (the chunks
 it lacks; may come again after Done if a cached chunk turned out unusable), Ack, or
 Error at any point. A frame is a 4-byte big-endian length and the encoded message.
+
+A receiver reads the offer with a limit derived from its quota and every later frame
+with CHUNK_FRAME_MAX, each under a deadline (an idle timeout plus time for the frame at
+MIN_FRAME_RATE), so a sender can neither make it buffer large frames nor hold a
+connection open by trickling bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +22,15 @@ from meshopt.transfer.errors import TransferError
 
 VERSION: Final = 2  # 2: the file hash is sha256 over the chunk digests
 TRANSFER_PORT: Final = 51897
+# Chunk sizes are part of the protocol: the receiver refuses chunks outside them.
+CHUNK_MIN: Final = 16 * 1024  # every chunk but a file's last is at least this long
+CHUNK_MAX: Final = 256 * 1024
 MAX_FRAME: Final = 64 * 1024 * 1024  # an offer for ~100 GB of 64 KiB chunks fits
+# A chunk frame: at most CHUNK_MAX bytes of data, which zstd may grow by its block
+# headers (3 bytes per 128 KiB block, a frame header) when the data does not compress.
+CHUNK_FRAME_MAX: Final = CHUNK_MAX + CHUNK_MAX // 64 + 4096
+OFFER_BYTES_PER_CHUNK: Final = 40  # a digest (32 + 2) and a length (<= 5) in msgpack
+MIN_FRAME_RATE: Final = 64_000  # bytes/s a frame must arrive at, beyond the idle timeout
 _LEN = struct.Struct("!I")
 
 RAW: Final = 0
@@ -33,6 +46,7 @@ class Offer(msgspec.Struct, tag="offer", frozen=True):
     digests: bytes  # sha256 of every chunk, concatenated
     lengths: list[int]
     version: int = VERSION
+    overwrite: bool = False  # replace an existing file (the receiver must allow it too)
 
 
 class Need(msgspec.Struct, tag="need", frozen=True):
@@ -84,19 +98,36 @@ async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_FRA
     return (await read_sized(reader, max_frame=max_frame))[0]
 
 
+def offer_frame_max(quota_bytes: int) -> int:
+    """The largest offer a receiver with this quota can accept: every chunk but the last
+    is at least CHUNK_MIN long, so the quota bounds the number of chunks."""
+    chunks = quota_bytes // CHUNK_MIN + 2
+    return min(MAX_FRAME, OFFER_BYTES_PER_CHUNK * chunks + 16 * 1024)
+
+
 async def read_sized(
-    reader: asyncio.StreamReader, *, max_frame: int = MAX_FRAME
+    reader: asyncio.StreamReader,
+    *,
+    max_frame: int = MAX_FRAME,
+    idle_timeout: float | None = None,
 ) -> tuple[Message, int]:
-    """The next message and its size on the wire (length prefix included)."""
+    """The next message and its size on the wire (length prefix included).
+
+    ``idle_timeout``: the length prefix must arrive within it, the frame within it plus
+    its size at MIN_FRAME_RATE (TimeoutError otherwise); None waits for ever.
+    """
     try:
-        head = await reader.readexactly(_LEN.size)
+        head = await asyncio.wait_for(reader.readexactly(_LEN.size), idle_timeout)
     except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise TransferError("stream truncated mid-frame", code="truncated") from exc
         raise TransferError("connection closed by peer", code="closed") from exc
     (n,) = _LEN.unpack(head)
     if n > max_frame:
         raise TransferError(f"frame of {n} bytes is over the {max_frame} limit", code="corrupt")
+    timeout = None if idle_timeout is None else idle_timeout + n / MIN_FRAME_RATE
     try:
-        body = await reader.readexactly(n)
+        body = await asyncio.wait_for(reader.readexactly(n), timeout)
     except asyncio.IncompleteReadError as exc:
         raise TransferError("stream truncated mid-frame", code="truncated") from exc
     return decode(body), _LEN.size + n

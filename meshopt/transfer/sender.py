@@ -218,7 +218,9 @@ class _Session:
         msg, n = await asyncio.wait_for(read_sized(self.reader), timeout)
         self.s.bytes_received += n
         if isinstance(msg, Error):
-            raise TransferError(f"receiver refused: {msg.reason}", code=msg.code)
+            # The reason is printed on the user's terminal: no escape sequences through it.
+            reason = msg.reason if msg.reason.isprintable() else repr(msg.reason)[1:-1]
+            raise TransferError(f"receiver refused: {reason[:500]}", code=msg.code[:40])
         return msg
 
     def tick(self, nbytes: int) -> None:
@@ -237,11 +239,15 @@ async def send_file(
     progress: Progress | None = None,
     cache_dir: Path | None = None,
     connect_timeout: float = 10.0,
+    overwrite: bool = False,
+    source: str | None = None,
 ) -> TransferSummary:
     """Send ``path`` to the receiver at ``host:port`` into its directory ``dest``.
 
     ``link_mbit`` fixes the link rate compression decisions use; None measures it.
     ``cache_dir`` None uses ``~/.cache/meshopt/transfer``; pass a path to move it.
+    ``overwrite``: replace a file of that name (the receiver must allow it as well).
+    ``source``: the local address to connect from (the receiver knows senders by it).
     Raises TransferError with the receiver's reason when it refuses or fails.
     """
     p = Path(path)
@@ -254,7 +260,7 @@ async def send_file(
         raise TransferError(f"{p} is not a regular file", code="input")
     cache = ManifestCache((cache_dir or default_cache_dir()) / "manifests")
     link_bps = None if link_mbit is None else link_mbit * 1e6 / 8
-    connecting = asyncio.ensure_future(_connect(host, port, connect_timeout))
+    connecting = asyncio.ensure_future(_connect(host, port, connect_timeout, source))
     cached = await asyncio.to_thread(cache.get, p)
     # A file hashed before was probably sent before: calibrate only for a new one.
     calibrating: asyncio.Future[list[LevelStats]] = (
@@ -300,6 +306,7 @@ async def send_file(
                 manifest.file_hash,
                 manifest.digests,
                 list(manifest.lengths),
+                overwrite=overwrite,
             )
         )
         await writer.drain()
@@ -341,10 +348,13 @@ async def send_file(
 
 
 async def _connect(
-    host: str, port: int, timeout: float
+    host: str, port: int, timeout: float, source: str | None = None
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    local = None if source is None else (source, 0)
     try:
-        return await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        return await asyncio.wait_for(
+            asyncio.open_connection(host, port, local_addr=local), timeout
+        )
     except (OSError, TimeoutError) as exc:
         raise TransferError(f"cannot connect to {host} port {port}: {exc}", code="connect") from exc
 

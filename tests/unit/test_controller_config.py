@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from meshopt.bus.signing import generate_signing_key
+from meshopt.bus.signing import generate_signing_key, save_private_key
 from meshopt.cli.main import main
 from meshopt.controller.config import (
     ControllerConfig,
@@ -45,13 +45,35 @@ def test_example_config_names_every_key() -> None:
     assert set(data["metric"]) == names(MetricSettings)
 
 
-def test_example_config_loads_and_shows_the_defaults() -> None:
-    cfg = load_controller_config(EXAMPLE)
+PLACEHOLDERS = {
+    "fra": "ZXhhbXBsZS1mcmEtaWRlbnRpdHktcmVwbGFjZS1tZSE=",
+    "ams": "ZXhhbXBsZS1hbXMtaWRlbnRpdHktcmVwbGFjZS1tZSE=",
+    "nyc": "ZXhhbXBsZS1ueWMtaWRlbnRpdHktcmVwbGFjZS1tZSE=",
+}
+
+
+def real_copy(tmp_path: Path, text: str | None = None) -> Path:
+    """The example as an operator completes it: real node keys, a real signing key file."""
+    text = EXAMPLE.read_text() if text is None else text
+    for placeholder in PLACEHOLDERS.values():
+        assert placeholder in text
+        text = text.replace(placeholder, generate_signing_key()[1])
+    key = tmp_path / "controller.key"
+    save_private_key(key, generate_signing_key()[0])
+    text = text.replace('signing_key = "/etc/meshopt/controller.key"', f'signing_key = "{key}"')
+    out = tmp_path / "controller.toml"
+    out.write_text(text)
+    return out
+
+
+def test_example_config_loads_and_shows_the_defaults(tmp_path: Path) -> None:
+    cfg = load_controller_config(real_copy(tmp_path))
     assert (cfg.mesh, cfg.id) == ("prod", "ctl1")
     assert cfg.nodes == ("fra", "ams", "nyc")
     assert cfg.broker.url == "mqtt://10.0.0.1:1883"
     # Apart from what names this mesh, the example is the defaults: no surprise either way.
     site = ("mesh", "id", "signing_key", "broker", "nodes", "node_keys")
+    assert [e.node for e in cfg.node_keys] == list(PLACEHOLDERS)
     defaults = ControllerConfig(**{k: getattr(cfg, k) for k in site})
     assert cfg == defaults
     assert cfg.policy.policy() == PolicyConfig()
@@ -63,16 +85,74 @@ def test_example_config_loads_and_shows_the_defaults() -> None:
     )
 
 
-def test_check_command_accepts_the_example(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["controller", "--config", str(EXAMPLE), "--check"]) == 0
-    assert "ok (mesh prod, controller ctl1)" in capsys.readouterr().out
+def check(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, str, str]:
+    code = main(["controller", "--config", str(path), "--check"])
+    out = capsys.readouterr()
+    return code, out.out, out.err.strip()
+
+
+def test_check_command_refuses_the_example_for_its_placeholders_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = check(capsys, EXAMPLE)
+    assert code == 2 and "\n" not in err
+    assert err.startswith(f"meshopt: error: {EXAMPLE}: node_keys: fra, ams, nyc: placeholder")
+    assert "real key" in err and "meshopt agent keygen" in err
+    # With real node keys, only the signing key file the example names is missing.
+    text = EXAMPLE.read_text()
+    for placeholder in PLACEHOLDERS.values():
+        text = text.replace(placeholder, generate_signing_key()[1])
+    keys_only = tmp_path / "keys-only.toml"
+    keys_only.write_text(text)
+    code, _, err = check(capsys, keys_only)
+    assert code == 2 and "signing_key" in err and "/etc/meshopt/controller.key" in err
+    # A copy with real keys and a real key file passes.
+    code, out, err = check(capsys, real_copy(tmp_path))
+    assert code == 0, err
+    assert "ok (mesh prod, controller ctl1)" in out
+
+
+@pytest.mark.parametrize(
+    ("key_file", "fragment"),
+    [
+        (b"", "not an Ed25519 private key"),
+        (b"-----BEGIN PRIVATE KEY-----\nnope\n-----END PRIVATE KEY-----\n", "PEM"),
+        (b"\xff" * 100, "not an Ed25519 private key"),
+        (b"x" * 100_000, "larger than"),
+    ],
+)
+def test_check_refuses_a_bad_signing_key_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], key_file: bytes, fragment: str
+) -> None:
+    cfg = real_copy(tmp_path)
+    (tmp_path / "controller.key").write_bytes(key_file)
+    code, _, err = check(capsys, cfg)
+    assert code == 2 and "\n" not in err and fragment in err, err
+
+
+def test_check_refuses_a_signing_key_that_is_not_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = real_copy(tmp_path).read_text()
+    for target in ("/dev/zero", str(tmp_path), "a\\u0000b"):
+        cfg = tmp_path / "odd.toml"
+        line = f'signing_key = "{target}"'
+        cfg.write_text(re.sub(r'signing_key = "[^"]*"', lambda _, line=line: line, text))
+        code, _, err = check(capsys, cfg)
+        assert code == 2 and "\n" not in err and "signing_key" in err, err
+
+
+def test_placeholder_controller_keys_are_refused() -> None:
+    with pytest.raises(InputError, match=r"controller_keys: .*placeholder.*real key"):
+        parse_controller_config(ctl(controller_keys=[PLACEHOLDERS["fra"]]))
+    with pytest.raises(InputError, match="placeholder"):
+        parse_controller_config(ctl(controller_keys=["<paste the key here>"]))
 
 
 def test_check_command_refuses_a_bad_file_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bad = tmp_path / "controller.toml"
-    bad.write_text(EXAMPLE.read_text().replace("hold_s = 30.0", "hold_s = -30.0"))
+    bad = real_copy(tmp_path, EXAMPLE.read_text().replace("hold_s = 30.0", "hold_s = -30.0"))
     assert main(["controller", "--config", str(bad), "--check"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err

@@ -92,6 +92,9 @@ class Rig:
         self.now = 100.0
         self.wall = T0
         self.retained: dict[str, bytes] = {}
+        # What the BusClient does: the will when it connects, the online status once
+        # connected, a little later.
+        self.will = self.core.new_session(self.wall - 0.01)
         self.deliver_all(self.core.on_connect(self.wall))
 
     def deliver(self, topic: str, payload: bytes, retained: bool = False) -> None:
@@ -386,3 +389,19 @@ def test_an_older_route_set_played_back_is_not_adopted(rig: Rig) -> None:
         lambda: rig.deliver(TOPICS.routes("a"), sign("routes", old, rig.key), True),
     )
     assert rig.core.retained_sets["a"] == current
+
+
+def test_the_active_controllers_will_hands_over_at_once(rig: Rig) -> None:
+    """A standby takes the will of the active controller's current session (the same
+    ``since`` as its online status) as the signal to claim the lease now."""
+    cfg = ControllerConfig(**{**rig.cfg.__dict__, "id": "ctl2"})
+    standby = ControllerCore(cfg, rig.key)
+    for topic, payload in rig.retained.items():
+        standby.on_message(topic, payload, True, rig.now, rig.wall)
+    assert standby.lease.current is not None and standby.lease.current.controller == "ctl1"
+    assert not standby.lease.holder_gone
+    topic, will, _ = rig.will
+    n0 = standby.counters.total()
+    standby.on_message(topic, will, False, rig.now + 1, rig.wall + 1)
+    assert standby.counters.total() == n0, standby.counters
+    assert standby.lease.holder_gone

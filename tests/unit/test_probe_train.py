@@ -155,7 +155,7 @@ def test_garbage_train_packets_raise(data: bytes) -> None:
 
 
 def test_train_packet_limits_raise() -> None:
-    too_long = encode_train_packet(TrainPacket(1, NONCE, 0, MAX_TRAIN_PACKETS), 64)
+    too_long = encode_train_packet(TrainPacket(1, NONCE, 0, MAX_TRAIN_PACKETS), 1300)
     too_long = too_long[:20] + (MAX_TRAIN_PACKETS + 1).to_bytes(2, "big") + too_long[22:]
     with pytest.raises(TrainError, match="limit"):
         decode_train_packet(too_long)
@@ -254,13 +254,13 @@ def test_responder_drops_bad_packets_and_keeps_answering() -> None:
 
 def test_responder_bounds_trains_in_flight() -> None:
     async def main() -> None:
-        responder = TrainResponder()
+        responder = TrainResponder(limit=None)  # one source: no per-source budget here
         await responder.start("::1", 0)
         s = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
         s.connect(("::1", responder.port))
         try:
             for tid in range(MAX_TRAINS_IN_FLIGHT + 5):  # first packets only: all in flight
-                s.send(encode_train_packet(TrainPacket(tid, NONCE, 0, 10), 64))
+                s.send(encode_train_packet(TrainPacket(tid, NONCE, 0, 10), 100))
             await asyncio.sleep(0.05)
             assert responder.counters["trains"] == MAX_TRAINS_IN_FLIGHT
             assert responder.counters["drop_busy"] == 5

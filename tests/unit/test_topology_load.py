@@ -140,3 +140,118 @@ def test_save_and_load_generated(tmp_path: Path) -> None:
     assert again.names == topo.names
     assert np.array_equal(again.delay_ms, topo.delay_ms)
     assert np.array_equal(again.tunnels, topo.tunnels)
+
+
+# --- compressed files and the limits on one input --------------------------------------
+
+COMPRESS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+ZOO = Path(__file__).parents[2].parent / "shared" / "data" / "topology-zoo" / "Abilene.gml"
+
+
+@pytest.mark.parametrize("suffix", sorted(COMPRESS))
+@pytest.mark.parametrize("source", ["europe.yaml", "plain.csv", "abilene.gml"])
+def test_every_form_loads_compressed(tmp_path: Path, source: str, suffix: str) -> None:
+    import importlib
+
+    if source == "abilene.gml":
+        if not ZOO.exists():
+            pytest.skip("no Topology Zoo data in ../shared/data")
+        plain = tmp_path / source
+        plain.write_bytes(ZOO.read_bytes())
+    elif source == "plain.csv":
+        plain = tmp_path / source
+        plain.write_text("a,b,rtt_ms\nx,y,8\ny,z,9\nx,z,30\n")
+    else:
+        plain = EXAMPLES / source
+    packed = tmp_path / (source + suffix)
+    packed.write_bytes(importlib.import_module(COMPRESS[suffix]).compress(plain.read_bytes()))
+    a, b = load_topology(str(plain)), load_topology(str(packed))
+    assert a.names == b.names and a.name == b.name
+    assert np.array_equal(a.delay_ms, b.delay_ms) and np.array_equal(a.tunnels, b.tunnels)
+
+
+def _yaml_nodes(n: int) -> str:
+    return "defaults: {delay: 1ms}\nnodes:\n" + "".join(f"  n{i}:\n" for i in range(n))
+
+
+def test_node_cap_names_the_line_and_how_to_raise_it(tmp_path: Path) -> None:
+    from meshopt.topology.limits import Limits
+
+    path = tmp_path / "many.yaml"
+    path.write_text(_yaml_nodes(30))
+    with pytest.raises(TopologyError) as info:
+        load_topology(str(path), limits=Limits(max_nodes=20))
+    assert info.value.line == 23  # the 21st node
+    assert "more than 20 nodes" in str(info.value) and "--max-nodes" in str(info.value)
+    assert load_topology(str(path), limits=Limits(max_nodes=30)).n == 30
+
+
+def test_pair_cap_counts_underlay_and_tunnels(tmp_path: Path) -> None:
+    from meshopt.topology.limits import Limits
+
+    path = tmp_path / "pairs.yaml"
+    path.write_text(
+        "defaults: {delay: 1ms}\nnodes: {a: , b: , c: }\n"
+        "underlay: {a-b: {delay: 2ms}, b-c: {delay: 3ms}}\ntunnels: [a-b, b-c]\n"
+    )
+    assert load_topology(str(path), limits=Limits(max_pairs=4)).n == 3
+    with pytest.raises(TopologyError, match="more than 3 pairs"):
+        load_topology(str(path), limits=Limits(max_pairs=3))
+
+
+def test_limits_from_the_environment_and_flags_over_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshopt.cli.main import main
+
+    path = tmp_path / "many.yaml"
+    path.write_text(_yaml_nodes(30))
+    monkeypatch.setenv("MESHOPT_MAX_NODES", "10")
+    assert main(["topology", "check", str(path)]) == 2
+    assert "more than 10 nodes" in capsys.readouterr().err
+    assert main(["topology", "check", str(path), "--max-nodes", "30"]) == 0
+    monkeypatch.setenv("MESHOPT_MAX_NODES", "ten")
+    assert main(["topology", "check", str(path)]) == 2
+    assert "MESHOPT_MAX_NODES must be a whole number" in capsys.readouterr().err
+
+
+def test_nesting_stops_before_parsing(tmp_path: Path) -> None:
+    for name, text in [
+        ("deep.yaml", "nodes: " + "[" * 100 + "]" * 100),
+        ("deep.gml", "graph [ x " + "[ " * 100 + "]" * 100 + " ]"),
+        ("deep.graphml", "<graphml>" + "<g>" * 100 + "</g>" * 100 + "</graphml>"),
+    ]:
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(TopologyError, match="more than 64 levels of nesting"):
+            load_topology(str(path))
+
+
+def test_graphml_with_a_dtd_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "laughs.graphml"
+    path.write_text(
+        '<?xml version="1.0"?><!DOCTYPE g [<!ENTITY a "lol">]>'
+        '<graphml><graph><node id="&a;"/></graph></graphml>'
+    )
+    with pytest.raises(TopologyError, match="DTD"):
+        load_topology(str(path))
+
+
+def test_decompressed_cap(tmp_path: Path) -> None:
+    import gzip
+
+    from meshopt.topology.limits import Limits
+
+    path = tmp_path / "bomb.csv.gz"
+    path.write_bytes(gzip.compress(b"a,b,rtt_ms\n" + b"#" * 1000 + b"\n" * (3 << 20)))
+    assert path.stat().st_size < 20_000
+    with pytest.raises(TopologyError, match="more than 1 MiB of decompressed data"):
+        load_topology(str(path), limits=Limits(max_input_mb=1))
+
+
+def test_file_names_with_line_breaks_stay_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "two\nlines.yaml"
+    path.write_text("nodes: [")
+    with pytest.raises(TopologyError) as info:
+        load_topology(str(path))
+    assert "\n" not in str(info.value) and "two\\nlines.yaml" in str(info.value)

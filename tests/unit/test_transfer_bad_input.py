@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshopt.transfer.errors import TransferError
+from meshopt.transfer.limits import Limits
 from meshopt.transfer.protocol import Ack, Chunk, Error, Need, Offer, encode
 from meshopt.transfer.sender import send_file
 
@@ -88,9 +89,9 @@ def test_peer_outside_the_mesh_is_refused(make_server: MakeServer, tmp_path: Pat
 
 
 def test_over_quota_is_refused_before_any_data(make_server: MakeServer, tmp_path: Path) -> None:
-    srv = make_server(max_file_bytes=50_000)
-    _refused(srv, tmp_path, "no-space", "over the receiver's quota")
-    assert visible(srv.root) == []
+    srv = make_server(limits=Limits(quota_bytes=50_000))
+    _refused(srv, tmp_path, "quota", "would exceed the receiver's quota")
+    assert list(srv.root.iterdir()) == []  # not even a partial file
     _still_serves(make_server(), tmp_path)
 
 
@@ -128,6 +129,8 @@ def test_corrupted_chunk_is_refused(srv: ServerThread, tmp_path: Path) -> None:
     assert "chunk 0: hash mismatch" in _expect_error(c, "corrupt").reason
     c.close()
     assert not (srv.root / "x.bin").exists()
+    assert not (srv.root / ".x.bin.meshopt-part").exists()  # a lying sender gets no resume
+    assert srv.counters.partials_removed == 1
     _still_serves(srv, tmp_path)
 
 

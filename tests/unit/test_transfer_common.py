@@ -97,8 +97,10 @@ def visible(directory: Path) -> list[str]:
 class RawClient:
     """A blocking socket speaking frames by hand: for streams the real sender never sends."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def __init__(self, port: int, source: str | None = None) -> None:
+        """``source``: another loopback address (127.0.0.2) is another sender."""
+        local = None if source is None else (source, 0)
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=local)
 
     def send(self, msg: Message) -> None:
         self.sock.sendall(encode(msg))

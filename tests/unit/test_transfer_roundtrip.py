@@ -12,6 +12,7 @@ import pytest
 from meshopt.cli.main import main
 from meshopt.transfer.chunking import CHUNK_MAX
 from meshopt.transfer.errors import TransferError
+from meshopt.transfer.limits import Limits
 from meshopt.transfer.receiver import serve_in_agent
 from meshopt.transfer.sender import TransferSummary, send_file
 
@@ -74,13 +75,13 @@ def test_same_content_under_another_name_comes_from_the_cache(
 def _edit_costs(
     make_server: MakeServer, tmp_path: Path, edit: Callable[[bytes], bytes], **server: int
 ) -> tuple[int, int]:
-    srv = make_server(**server)
+    srv = make_server(limits=Limits(allow_overwrite=True), **server)
     data = random_bytes(10_000_000)
     src = _write(tmp_path / "v.bin", data)
     send(srv, src, tmp_path)
     new = edit(data)
     src.write_bytes(new)
-    s = send(srv, src, tmp_path)
+    s = send(srv, src, tmp_path, overwrite=True)
     assert (srv.root / "v.bin").read_bytes() == new
     return s.chunks_sent, s.chunk_bytes_sent
 
