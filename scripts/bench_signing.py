@@ -10,11 +10,12 @@ reports when significant ("agents", the figure judged); ticks run at the daemon'
 runs twice, interleaved: "signed" (every message verified against the sender's enrolled key, every
 route set, lease and status signed), and "baseline" (the envelopes opened without
 checking, nothing signed: the controller as it was before signatures). CPU time is
-the process's own (time.process_time); medians of --runs pairs. The whole-run ratio
-swings by +-10 % with other load on a shared machine, so the figure judged against the
-goal is the extra time inside the envelope functions (verify_* and sign, timed in both
-modes) over the rest of the core's CPU. Goal: at most 5 % extra controller CPU at 50
-nodes.
+the process's own (time.process_time). On a shared machine the same run's CPU time
+varies by 30 %, so the figure judged is built from parts that reproduce: the number of
+signature checks and signatures the run made (counted), each one's extra cost measured
+alone (the minimum of many timings, signed call minus unsigned call, on the run's own
+largest message), over the baseline core's CPU for the workload (its minimum over
+--runs). Goal: at most 5 % extra controller CPU at 50 nodes.
 
     .venv/bin/python scripts/bench_signing.py
     .venv/bin/python scripts/bench_signing.py --nodes 50 --runs 5 --baseline old.json
@@ -30,6 +31,8 @@ import random
 import statistics
 import sys
 import time
+import timeit
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,13 +49,14 @@ from meshopt.bus.messages import (
     ControllerStatus,
     Lease,
     PeerReport,
+    Route,
     RouteSet,
     Signed,
     Telemetry,
     decode,
     encode,
 )
-from meshopt.bus.signing import generate_signing_key, sign, unsigned_payload
+from meshopt.bus.signing import KeyRing, generate_signing_key, open_signed, sign, unsigned_payload
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
 from meshopt.controller.core import ControllerCore
@@ -175,23 +179,20 @@ class Workload:
 
 
 @contextmanager
-def timed(inside: list[float]) -> Iterator[None]:
-    """Sum the CPU time spent in the core's verify_* and sign calls into ``inside[0]``."""
+def counted(calls: Counter[str]) -> Iterator[None]:
+    """Count the core's calls of verify_* (messages checked) and sign (messages made)."""
     names = [n for n in dir(core_mod) if n.startswith("verify")] + ["sign"]
     saved = {n: getattr(core_mod, n) for n in names}
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*a: Any, **kw: Any) -> Any:
-            t = time.process_time()
-            try:
-                return fn(*a, **kw)
-            finally:
-                inside[0] += time.process_time() - t
+            calls["sign" if name == "sign" else "verify"] += 1
+            return fn(*a, **kw)
 
         return call
 
     for n, fn in saved.items():
-        setattr(core_mod, n, wrap(fn))
+        setattr(core_mod, n, wrap(n, fn))
     try:
         yield
     finally:
@@ -199,11 +200,41 @@ def timed(inside: list[float]) -> Iterator[None]:
             setattr(core_mod, n, fn)
 
 
+def per_operation_us(w: Workload, batches: list[list[tuple[str, bytes]]]) -> dict[str, float]:
+    """Extra CPU of one signature check and of one signature, on this workload's own
+    messages: the minimum of many timings of the signed call minus the unsigned one
+    (the minimum: other load on the machine only ever adds time)."""
+    topic, data = max((m for b in batches for m in b), key=lambda m: len(m[1]))
+    node = topic.rsplit("/", 1)[1]
+    ring = KeyRing([w.ids[node][1]])
+    rs = RouteSet(
+        mesh=MESH,
+        node=node,
+        version=first_seq(T0),
+        issued_at=T0,
+        controller="ctl1",
+        term=int(T0),
+        routes=[Route(dst=w.addr[x], via=w.wg[x]) for x in w.names if x != node],
+    )
+    key = w.ids[node][0]
+
+    def best(fn: Callable[[], object], n: int = 200, repeat: int = 7) -> float:
+        return min(timeit.repeat(fn, number=n, repeat=repeat)) / n * 1e6
+
+    return {
+        "verify_us": best(lambda: open_signed(data, "telemetry", ring))
+        - best(lambda: unsigned_payload(data, "telemetry")),
+        "sign_us": best(lambda: sign("routes", rs, key))
+        - best(lambda: _unsigned_sign("routes", rs, key)),
+        "telemetry_bytes": len(data),
+    }
+
+
 def run_once(w: Workload, batches: list[list[tuple[str, bytes]]], signed: bool) -> dict[str, Any]:
     key, _ = generate_signing_key()
     ctx = contextmanager(lambda: iter([None]))() if signed else baseline()
-    inside = [0.0]
-    with ctx, timed(inside):
+    calls: Counter[str] = Counter()
+    with ctx, counted(calls):
         core = ControllerCore(w.config(), key)
         now, wall = 100.0, T0
         published = 0
@@ -228,7 +259,8 @@ def run_once(w: Workload, batches: list[list[tuple[str, bytes]]], signed: bool) 
     refused = sum(core.counters.snapshot().values())
     return {
         "cpu_s": cpu,
-        "inside_s": inside[0],
+        "verify_calls": calls["verify"],
+        "sign_calls": calls["sign"],
         "published": published,
         "refused": refused,
         "recomputes": core.recomputes,
@@ -248,22 +280,27 @@ def measure(w: Workload, batches: list[list[tuple[str, bytes]]], runs: int) -> d
     signed = [p[True]["cpu_s"] for p in pairs]
     base = [p[False]["cpu_s"] for p in pairs]
     ratios = [p[True]["cpu_s"] / p[False]["cpu_s"] - 1.0 for p in pairs]
-    # The robust figure: the extra time inside the envelope functions (verify_*/sign,
-    # with and without signatures) over the rest of the core's work, per pair. Load on
-    # the machine scales both alike; the whole-run ratio swings with it.
-    shares = [
-        (p[True]["inside_s"] - p[False]["inside_s"]) / (p[True]["cpu_s"] - p[True]["inside_s"])
-        for p in pairs
-    ]
+    # The figure judged: signature operations counted in the run (deterministic) times
+    # their cost measured alone (minimum of many timings), over the core's CPU for the
+    # same workload without signatures (its minimum over the runs). Other load on the
+    # machine only adds time, so minima are what reproduce; the whole-run ratio of
+    # medians (extra_cpu_pct_*) swings by +-10 % or more on a shared machine.
+    ops = per_operation_us(w, batches)
+    first = pairs[0][True]
+    sig_s = (first["verify_calls"] * ops["verify_us"] + first["sign_calls"] * ops["sign_us"]) / 1e6
     return {
+        "verify_calls": first["verify_calls"],
+        "sign_calls": first["sign_calls"],
+        **{k: round(v, 1) for k, v in ops.items()},
+        "core_cpu_min_s": round(min(base), 3),
+        "signature_cpu_s": round(sig_s, 3),
+        "signature_cpu_pct_of_core": round(100 * sig_s / min(base), 2),
         "messages_in_per_s": round(n_msgs / seconds, 1),
         "messages_out_per_s": round(pairs[0][True]["published"] / seconds, 1),
         "cpu_signed_s": [round(x, 3) for x in signed],
         "cpu_baseline_s": [round(x, 3) for x in base],
         "extra_cpu_pct_runs": [round(100 * r, 2) for r in ratios],
         "extra_cpu_pct_median": round(100 * statistics.median(ratios), 2),
-        "signature_cpu_pct_of_core_runs": [round(100 * x, 2) for x in shares],
-        "signature_cpu_pct_of_core_median": round(100 * statistics.median(shares), 2),
         "signed_core_share_of_one_core_pct": round(100 * statistics.median(signed) / seconds, 2),
         "verify_and_sign_us_per_message_in": round(
             1e6 * (statistics.median(signed) - statistics.median(base)) / n_msgs, 1
@@ -286,12 +323,12 @@ def main() -> int:
         out[name] = measure(w, w.messages(args.seconds, every), args.runs)
     out["goal_extra_cpu_pct"] = 5.0
     out["python"] = platform.python_version()
-    out["pass"] = out["agents"]["signature_cpu_pct_of_core_median"] <= out["goal_extra_cpu_pct"]
+    out["pass"] = out["agents"]["signature_cpu_pct_of_core"] <= out["goal_extra_cpu_pct"]
     if args.baseline is not None:
         old = json.loads(args.baseline.read_text())
         for name in ("agents", "every_second"):
-            out[name]["baseline_signature_cpu_pct_of_core_median"] = old.get(name, {}).get(
-                "signature_cpu_pct_of_core_median"
+            out[name]["baseline_signature_cpu_pct_of_core"] = old.get(name, {}).get(
+                "signature_cpu_pct_of_core"
             )
     print(json.dumps(out, indent=2))
     return 0

@@ -118,11 +118,15 @@ def _copy(lab: Any, src: str, out: str, *, zstd: bool) -> float:
 
 
 def _receiver(lab: Any, port: int, directory: Path, cache: Path) -> subprocess.Popen[str]:
+    """The receiver in b on its overlay address, with the default limits except that the
+    large file's receiver lets a's resends replace the file (each counts to the quota)."""
     directory.mkdir(parents=True)
     argv = [PY, "-m", "meshopt.cli.main", "transfer", "serve", "--dir", str(directory)]
     argv += ["--allow", f"{lab.overlay_ip('a')}/32", "--port", str(port)]
-    argv += ["--cache-dir", str(cache)]
-    proc = lab.popen("b", argv, stderr=subprocess.PIPE, text=True)
+    argv += ["--bind", lab.overlay_ip("b"), "--cache-dir", str(cache)]
+    if port == BIG_PORT:
+        argv += ["--allow-overwrite", "--quota-gib", "100"]
+    proc: subprocess.Popen[str] = lab.popen("b", argv, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
         if "listening on" in line:
@@ -143,6 +147,8 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def _send(lab: Any, src: Path, port: int, cache: Path) -> dict[str, Any]:
     argv = [PY, "-m", "meshopt.cli.main", "transfer", "send", str(src)]
     argv += [f"{lab.overlay_ip('b')}:", "--port", str(port), "--json", "--cache-dir", str(cache)]
+    if port == BIG_PORT:
+        argv.append("--overwrite")  # the changed large file replaces its last version
     r = lab.run("a", argv, timeout=1800)
     if r.returncode != 0:
         raise SystemExit(f"transfer failed: {r.stderr.strip()}")

@@ -216,9 +216,8 @@ class Agent:
 
         def sender_of(address: str) -> str | None:
             peers = self.tracker.peers
-            return peer_identity(
-                address, {k: self.state.baseline.get(k, p.allowed_ips) for k, p in peers.items()}
-            )
+            own = {k: self.state.baseline.get(k, p.allowed_ips) for k, p in peers.items()}
+            return peer_identity(address, own, {k: p.allowed_ips for k, p in peers.items()})
 
         self.transfer = await serve_in_agent(
             root,

@@ -52,7 +52,6 @@ import ssl
 import stat
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Final, Literal
 from urllib.parse import unquote, urlsplit
 
@@ -60,6 +59,7 @@ import aiomqtt
 
 from meshopt.bus.messages import Counters
 from meshopt.errors import InputError
+from meshopt.smallfile import read_small_file
 
 log = logging.getLogger("meshopt.bus")
 
@@ -173,12 +173,7 @@ def _key(where: str, name: str) -> str:
 
 
 def _read(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{what} {path}: no such file") from None
-    except OSError as exc:
-        raise InputError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    return read_small_file(path, what)
 
 
 def read_password(path: str, what: str = "broker.password_file") -> str:

@@ -45,6 +45,7 @@ from meshopt.bus.messages import (
     encode,
 )
 from meshopt.errors import InputError
+from meshopt.smallfile import read_small_file
 
 SIGNATURE_LEN = 64
 KEY_LEN = 32
@@ -102,10 +103,7 @@ def save_private_key(path: str | Path, key: Ed25519PrivateKey) -> None:
 def load_private_key(path: str | Path) -> Ed25519PrivateKey:
     """Read a PEM (PKCS#8) or base64-seed Ed25519 private key; InputError otherwise."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InputError(f"cannot read signing key: {exc.strerror}", source=str(path)) from None
+    data = read_small_file(path, "signing key")
     if b"-----BEGIN" in data:
         try:
             key = serialization.load_pem_private_key(data, password=None)
@@ -128,8 +126,8 @@ def load_public_key(text_or_path: str | Path) -> Ed25519PublicKey:
             return Ed25519PublicKey.from_public_bytes(raw)
     path = Path(text_or_path)
     try:
-        data = path.read_bytes()
-    except OSError:
+        data = read_small_file(path, "public key")
+    except InputError:
         raise InputError(
             "not an Ed25519 public key (base64 of 32 bytes) nor a readable file holding one",
             source=str(text_or_path)[:80],

@@ -35,36 +35,56 @@ def address_identity(address: str) -> str | None:
     return None if addr is None else f"addr:{addr}"
 
 
-def peer_identity(address: str, peers: Mapping[str, Sequence[str]]) -> str | None:
+def peer_identity(
+    address: str,
+    peers: Mapping[str, Sequence[str]],
+    routed: Mapping[str, Sequence[str]] | None = None,
+) -> str | None:
     """``peer:<public key>`` of the peer whose AllowedIPs hold ``address`` most specifically.
 
     ``peers``: public key -> the peer's own AllowedIPs (before the agent moved relayed
-    prefixes onto other peers). Default routes do not name a peer: with only those
-    matching, the identity is the address (``addr:...``). None: no peer could have sent
-    it, or two peers claim it equally (a misconfiguration, not a sender to trust).
+    prefixes onto other peers); ``routed``: their AllowedIPs now. A node that is no
+    direct peer reaches us through a relay whose current AllowedIPs hold its address;
+    it, and a sender matched only by default routes, is known by its address
+    (``addr:...``). None: no peer could have sent it, or two peers claim it equally (a
+    misconfiguration, not a sender to trust).
     """
     addr = normalise(address)
     if addr is None:
         return None
+    # Reached through a relay, or a default route: WireGuard let it in, but no peer is it.
+    by_address = any(
+        addr in net for nets in (routed or {}).values() for net in _networks(nets, addr.version)
+    )
     best: list[str] = []
     best_len = -1
-    default_route = False
     for key, prefixes in peers.items():
-        for p in prefixes:
-            try:
-                net = ipaddress.ip_network(p, strict=False)
-            except ValueError:
-                continue
-            if net.version != addr.version or addr not in net:
+        for net in _networks(prefixes, addr.version):
+            if addr not in net:
                 continue
             if net.prefixlen == 0:
-                default_route = True
+                by_address = True
             elif net.prefixlen > best_len:
                 best, best_len = [key], net.prefixlen
             elif net.prefixlen == best_len and key not in best:
                 best.append(key)
     if len(best) == 1:
         return f"peer:{best[0]}"
-    if not best and default_route:
+    if not best and by_address:
         return f"addr:{addr}"
     return None
+
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _networks(prefixes: Sequence[str], version: int) -> list[IPNetwork]:
+    out = []
+    for p in prefixes:
+        try:
+            net = ipaddress.ip_network(p, strict=False)
+        except ValueError:
+            continue
+        if net.version == version:
+            out.append(net)
+    return out

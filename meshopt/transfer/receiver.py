@@ -241,6 +241,7 @@ class TransferServer:
         self._jobs: dict[Path, PartFile] = {}  # running transfers' partial files
         self._parked: dict[Path, int] = {}  # partial files left this run: bytes written
         self._completed = 0  # bytes of files completed this run
+        self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self._expire()
@@ -272,6 +273,11 @@ class TransferServer:
             with contextlib.suppress(Exception):
                 await server.wait_closed()
         self._servers = []
+        # Connections still open end now (a partial file stays for a resume).
+        handlers = list(self._handlers)
+        for t in handlers:
+            t.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
         await asyncio.to_thread(self.store_writer.flush)
 
     async def serve_forever(self) -> None:
@@ -350,6 +356,10 @@ class TransferServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         c = self.counters
         c.connections += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if peer else "?"
         failed = False
@@ -567,7 +577,8 @@ class TransferServer:
         for target in old:
             if target in self._busy:  # resumed since the scan
                 continue
-            for p in (*part_paths(target), part_paths(target)[1].with_suffix(".tmp")):
+            part, state = part_paths(target)
+            for p in (part, state, state.with_name(state.name + ".tmp")):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
             self._parked.pop(target, None)

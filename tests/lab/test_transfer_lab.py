@@ -1,8 +1,9 @@
 """``meshopt transfer`` between two lab nodes through real WireGuard (root only).
 
 The receiver runs in node b as ``meshopt transfer serve``; the sender is the CLI in node
-a. A second receiver writes into a 1 MiB tmpfs mounted in a mount namespace of its own,
-so a full disk is the kernel's real ENOSPC (from fallocate of the partial file).
+a. A second receiver writes into a 1 MiB tmpfs mounted in a mount namespace of its own:
+an offer bigger than its free space is refused before a byte is written. A receiver
+given only the mesh prefix listens on b's overlay address, not on the underlay.
 """
 
 from __future__ import annotations
@@ -33,15 +34,25 @@ CLI = [sys.executable, "-m", "meshopt.cli.main", "transfer"]
 
 
 def _serve(
-    lab: Lab, directory: Path, cache: Path, port: int, wrap: list[str] | None = None
-) -> subprocess.Popen[str]:
+    lab: Lab,
+    directory: Path,
+    cache: Path,
+    port: int,
+    wrap: list[str] | None = None,
+    bind: list[str] | None = None,
+    allow: str | None = None,
+) -> tuple[subprocess.Popen[str], str]:
+    """``meshopt transfer serve`` in b (a's address only, on b's overlay address) and
+    its "listening on" line."""
     argv = [*CLI, "serve", "--dir", str(directory), "--port", str(port)]
-    argv += ["--allow", f"{lab.overlay_ip('a')}/32", "--cache-dir", str(cache)]
+    argv += ["--allow", allow or f"{lab.overlay_ip('a')}/32", "--cache-dir", str(cache)]
+    for address in [lab.overlay_ip("b")] if bind is None else bind:
+        argv += ["--bind", address]
     proc = lab.popen("b", [*(wrap or []), *argv], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
         if "listening on" in line:
-            return proc
+            return proc, line
     pytest.fail(f"receiver did not start (exit {proc.wait()})")
 
 
@@ -74,7 +85,7 @@ def test_transfer_through_wireguard(lab: Lab, tmp_path: Path) -> None:
     root, src = tmp_path / "recv", tmp_path / "data.txt"
     root.mkdir()
     src.write_bytes(b"".join(b"line %d of a compressible file\n" % i for i in range(100_000)))
-    recv = _serve(lab, root, tmp_path / "rcache", 51897)
+    recv, _ = _serve(lab, root, tmp_path / "rcache", 51897)
     try:
         r = _send(lab, src, "inbox", 51897, tmp_path / "scache")
         assert r.returncode == 0, r.stderr
@@ -94,20 +105,34 @@ def test_transfer_through_wireguard(lab: Lab, tmp_path: Path) -> None:
     assert int(rx[1]) > first["bytes_on_wire"]
 
 
+def test_receiver_listens_on_the_overlay_only(lab: Lab, tmp_path: Path) -> None:
+    root = tmp_path / "recv"
+    root.mkdir()
+    recv, listening = _serve(lab, root, tmp_path / "rcache", 51895, bind=[], allow="10.99.0.0/16")
+    try:
+        b = lab.overlay_ip("b")
+        assert f"listening on [{b}]:51895," in listening
+        ss = lab.run("b", ["ss", "-Hltn", "sport", "= :51895"]).stdout.split()
+        assert f"{b}:51895" in ss and "*:51895" not in ss and "0.0.0.0:51895" not in ss
+    finally:
+        _stop(recv)
+
+
 def test_full_disk_is_a_clear_error_and_the_service_keeps_running(lab: Lab, tmp_path: Path) -> None:
     need_tools("unshare", "mount")
     root = tmp_path / "small"
     root.mkdir()
     mount = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
     mount += ['mount -t tmpfs -o size=1m tmpfs "$0" && exec "$@"', str(root)]
-    recv = _serve(lab, root, tmp_path / "rcache", 51896, wrap=mount)
+    recv, _ = _serve(lab, root, tmp_path / "rcache", 51896, wrap=mount)
     try:
         big, small = tmp_path / "big.bin", tmp_path / "small.bin"
         big.write_bytes(bytes(range(256)) * 16_384)  # 4 MiB into a 1 MiB disk
         small.write_bytes(b"fits\n" * 1000)
         r = _send(lab, big, "", 51896, tmp_path / "scache")
         assert r.returncode == 2 and r.stdout == ""
-        assert "receiver's disk is full (No space left on device)" in r.stderr
+        assert r.stderr.strip().count("\n") == 0
+        assert "receiver refused: receiver's disk is too full for big.bin" in r.stderr
         ok = _send(lab, small, "", 51896, tmp_path / "scache")
         assert ok.returncode == 0, ok.stderr
         inside = Path(f"/proc/{recv.pid}/root") / str(root).lstrip("/")
