@@ -12,7 +12,9 @@ still follow the optimum. The fuzzer's tally goes to stdout (``pytest -s``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import math
 import os
 import time
 from collections import Counter
@@ -22,12 +24,13 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
+from meshopt.analysis import Plan
 from meshopt.bus.client import client_kwargs
 from meshopt.bus.messages import decode_lease, decode_telemetry
 from meshopt.bus.signing import load_private_key, unsigned_payload
 from meshopt.lab.agents import controller_key, identity_key
 from meshopt.lab.lab import Lab
-from meshopt.lab.measure import route_quality
+from meshopt.lab.measure import optimum, route_quality
 from meshopt.lab.mesh import LiveMesh, wait_until
 from meshopt.lab.state import lab_dir
 
@@ -110,6 +113,22 @@ def changes(before: dict[str, object], after: dict[str, object]) -> list[str]:
                 f"{what} {node}->{d}" for d in sorted(set(bn) | set(an)) if bn.get(d) != an.get(d)
             ]
     return out
+
+
+def telling_bound(best: Plan, src: str, dst: str, optimum_ms: float) -> float:
+    """Half-way between the optimum's RTT and the next slower path's (paths within 10 %
+    of the optimum count as the optimum): a median below it went the optimum's way."""
+    names = best.tables.names
+    i = {n: k for k, n in enumerate(names)}
+    others = [n for n in names if n not in (src, dst)]
+    slower = []
+    for k in range(len(others) + 1):
+        for mid in itertools.permutations(others, k):
+            path = [src, *mid, dst]
+            rtt = sum(float(best.rtt[i[x], i[y]]) for x, y in itertools.pairwise(path))
+            if math.isfinite(rtt) and rtt > optimum_ms * 1.1:
+                slower.append(rtt)
+    return (optimum_ms + min(slower)) / 2 if slower else math.inf
 
 
 def lease_holder(lab: Lab) -> str:
@@ -225,16 +244,33 @@ def test_fuzzed_control_plane_keeps_every_honest_route(mesh: LiveMesh) -> None:
     dead = [n for n, p in mesh.controllers.items() if p.poll() is not None]
     assert not dead, f"restarted controller died: {dead}\n{mesh.logs()}"
     assert fast_hops(mesh) == before
-    # Every pair still forwarded on the optimum, measured by ping.
+    # Every pair still forwarded on the optimum: the path read from the nodes is one the
+    # policy keeps, and real packets take it. A direct pair's ping median must be nearer
+    # its own RTT than the next slower path's (how close it comes to the optimum itself
+    # is the lab's timing on a busy VM, not the routes' doing); a relayed pair's pings
+    # must be forwarded by the relay, and by no other node.
+    best = optimum(mesh)
     quality = route_quality(mesh, count=10)
     bad = [
         (q.src, q.dst, q.path, q.achieved_ms, q.optimum_ms)
         for q in quality
         if not q.policy_optimal
         or q.achieved_ms is None
-        or q.achieved_ms > q.optimum_ms * 1.05 + 1.0
+        or (len(q.path) == 2 and q.achieved_ms >= telling_bound(best, q.src, q.dst, q.optimum_ms))
     ]
     assert not bad, bad
+    for q in quality:
+        if len(q.path) > 2:
+            relays = set(q.path[1:-1])
+            before_fwd = {n: mesh.forwarded(n) for n in NODES}
+            rtts = mesh.ping(q.src, q.dst, count=20, interval=0.02)
+            fwd = {n: mesh.forwarded(n) - before_fwd[n] for n in NODES}
+            assert len(rtts) >= 15, (q.src, q.dst, rtts)
+            for n in NODES:
+                if n in relays:
+                    assert fwd[n] >= 2 * len(rtts), (q.src, q.dst, n, fwd)
+                elif n not in (q.src, q.dst):
+                    assert fwd[n] < 5, (q.src, q.dst, n, fwd)
     agents_after = agent_tally(lab)
     agent_refused = {
         k: v - agents_before.get(k, 0)
