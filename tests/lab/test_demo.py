@@ -73,10 +73,14 @@ def test_demo_relays_the_bad_pairs_and_routes_around_changes(demo_tools: None) -
             assert q["achieved_ms"] is not None, q
             assert q["achieved_ms"] <= q["optimum_ms"] * 1.05 + 1.0, q
             assert q["achieved_ms"] < 0.7 * q["direct_ms"], q
-    # Every pair gets through; none is routed worse than its direct tunnel.
+    # Every pair gets through; no relay makes a pair slower than its direct tunnel. (A
+    # pair on its direct tunnel is on it by the path read from the nodes, counted in
+    # pairs_on_optimum above; its ping against its configured RTT is the lab's timing,
+    # which a busy VM stretches: CI saw fra->ams at 9.41 ms against 8 ms, on the tunnel.)
     for q in rep["quality"]:
         assert q["achieved_ms"] is not None, q
-        assert q["achieved_ms"] <= q["direct_ms"] * 1.05 + 1.0, q
+        if len(q["path"]) > 2:
+            assert q["achieved_ms"] <= q["direct_ms"] * 1.05 + 1.0, q
     deg = rep["degradation"]
     assert deg is not None and deg["reroute_s"] is not None, deg
     assert len(deg["better_path"]) == 3 and deg["better_ms"] < deg["direct_after_ms"]
