@@ -8,7 +8,7 @@ venv="$here/.venv"
 
 # Debian packages: Python, and the tools the lab uses (namespaces, WireGuard, broker, probes).
 pkgs=(python3 python3-venv python3-dev gcc iproute2 iputils-ping iperf3
-      wireguard-go wireguard-tools mosquitto mosquitto-clients tcpdump)
+      wireguard-go wireguard-tools mosquitto mosquitto-clients tcpdump prometheus)
 if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     missing=()
     for p in "${pkgs[@]}"; do
@@ -20,9 +20,11 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         apt-get update -qq
         apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
         # Debian enables the broker on install; the lab starts its own instances.
-        if printf '%s\n' "${missing[@]}" | grep -qx mosquitto && command -v systemctl >/dev/null; then
-            systemctl disable --now mosquitto >/dev/null 2>&1 || true
-        fi
+        for svc in mosquitto prometheus; do
+            if printf '%s\n' "${missing[@]}" | grep -qx "$svc" && command -v systemctl >/dev/null; then
+                systemctl disable --now "$svc" >/dev/null 2>&1 || true
+            fi
+        done
     fi
 else
     echo "bootstrap: not root or no apt-get; skipping system packages" >&2
