@@ -48,8 +48,16 @@ fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "bootstrap: installing meshopt into $venv" >&2
     log="$venv/pip.log"
+    # The distribution was called "meshopt" before it became meshopt-wg: a venv made
+    # then has both claiming bin/meshopt; the old one goes first.
+    if "$venv/bin/python" -m pip show -q meshopt >/dev/null 2>&1; then
+        "$venv/bin/python" -m pip uninstall -q -y meshopt >/dev/null 2>&1 || true
+        rm -rf "$here/meshopt.egg-info"
+    fi
+    # Every extra: the tests cover the controller, drawing, transfers and the lab.
     if ! { "$venv/bin/python" -m pip install -q --upgrade pip &&
-           "$venv/bin/python" -m pip install -q -e "$here[dev]"; } >"$log" 2>&1; then
+           "$venv/bin/python" -m pip install -q -e "$here[dev,controller,graph,transfer,lab]"
+         } >"$log" 2>&1; then
         cat "$log" >&2
         echo "bootstrap: pip install failed (log above, also in $log)" >&2
         exit 1

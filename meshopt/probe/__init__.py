@@ -4,7 +4,7 @@
 error they save, ``stats`` the pure per-peer statistics, ``responder`` and ``prober``
 the asyncio adapters around them. ``train`` estimates a tunnel's capacity from short
 packet trains; ``icmp`` pings a peer that runs no agent and ``pmtu`` finds the path MTU
-through a tunnel (both build their packets with scapy, imported only when used).
+through a tunnel (both build their echo requests by hand: no scapy on the nodes).
 
 The adapters are imported on first use: ``python -m meshopt.probe.prober`` (and
 ``.responder``) must not find their module already imported by this package.

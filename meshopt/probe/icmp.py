@@ -1,13 +1,13 @@
 """ICMP echo probing of a peer that runs no agent: RTT and loss with kernel timestamps.
 
-Echo requests are built with scapy (``ICMP`` / ``ICMPv6EchoRequest``) and sent on a raw
+Echo requests are built with ``struct`` (the bytes scapy would build) and sent on a raw
 socket this module owns (``SOCK_RAW`` with ``IPPROTO_ICMP`` or ``IPPROTO_ICMPV6``: needs
 CAP_NET_RAW). The send time is ``time.time_ns()`` just before ``sendto``; the receive
 time is the kernel's (``SO_TIMESTAMPNS``), so the event loop's wake-up latency is not in
 the RTT. Replies are matched on source, identifier, sequence and payload; anything
 else on the raw socket (other pings, neighbour discovery, our own requests on
-loopback) is ignored. Scapy only builds bytes here: its send loops are far too slow
-and jittery to time anything.
+loopback) is ignored. Scapy's send loops would be far too slow and jittery to time
+anything, and the agent must not need scapy at all.
 
 :class:`EchoSocket` is shared with :mod:`meshopt.probe.pmtu`, which sends echoes of a
 chosen size with DF set.
@@ -21,6 +21,7 @@ import ipaddress
 import os
 import socket
 import statistics
+import struct
 import time
 from dataclasses import dataclass
 
@@ -64,16 +65,27 @@ class IcmpResult:
         return statistics.median(self.rtts_ms) if self.rtts_ms else None
 
 
+def _checksum(data: bytes) -> int:
+    """RFC 1071 Internet checksum (one's complement of the one's complement sum)."""
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
 def echo_request(v6: bool, ident: int, seq: int, payload: bytes) -> bytes:
-    """An ICMP(v6) echo request built by scapy (ICMPv6's checksum: the kernel fills it)."""
+    """An ICMP(v6) echo request (ICMPv6's checksum: the kernel fills it).
+
+    Built by hand, not by scapy: the agent's PMTU search must not need scapy (~24 MB
+    installed) on every node; tests/unit/test_agent_imports.py checks the bytes
+    against scapy's.
+    """
     if v6:
-        from scapy.layers.inet6 import ICMPv6EchoRequest
-
-        return bytes(ICMPv6EchoRequest(id=ident, seq=seq, cksum=0, data=payload))
-    from scapy.layers.inet import ICMP
-    from scapy.packet import Raw
-
-    return bytes(ICMP(type=8, code=0, id=ident, seq=seq) / Raw(payload))
+        return bytes([128, 0, 0, 0]) + struct.pack("!HH", ident, seq) + payload
+    head = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+    return struct.pack("!BBHHH", 8, 0, _checksum(head + payload), ident, seq) + payload
 
 
 def _parse_reply(data: bytes, v6: bool) -> tuple[int, int, bytes] | None:

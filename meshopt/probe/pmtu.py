@@ -1,6 +1,6 @@
 """Path MTU through a tunnel: the largest echo that gets an answer with DF set.
 
-Binary search over the IP packet size with ICMP echo requests (built by scapy, sent on
+Binary search over the IP packet size with ICMP echo requests (built by hand, sent on
 a raw socket; see :mod:`meshopt.probe.icmp`). The socket is put in
 ``IP_PMTUDISC_PROBE`` / ``IPV6_PMTUDISC_PROBE`` mode: every packet carries DF (IPv4;
 IPv6 routers never fragment) and the kernel neither fragments locally nor caps the size

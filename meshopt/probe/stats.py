@@ -22,9 +22,30 @@ import math
 import statistics
 from dataclasses import dataclass
 
-from meshopt.sim.estimator import _TABLE, _warm_up_tables, alpha_for
-
 DEFAULT_HALF_LIFE_S = 2.0  # the simulator's rtt_half_life_s
+# The simulator's warm-up tables (meshopt.sim.estimator), computed here in plain Python
+# with the same formulas: the agent must not load numpy (~15 MB of RSS per node).
+# tests/unit/test_agent_imports.py checks both agree (to a rounding of numpy's pow).
+_TABLE = 1024
+
+
+def alpha_for(half_life_s: float, interval_s: float) -> float:
+    """EWMA weight per sample that halves an old value's influence in ``half_life_s``."""
+    if half_life_s <= 0:
+        return 1.0
+    return float(1.0 - 0.5 ** (interval_s / half_life_s))
+
+
+def _warm_up_tables(a: float) -> tuple[list[float], list[float]]:
+    """``share[k]`` and ``var_gain[k]`` of meshopt.sim.estimator._warm_up_tables."""
+    share: list[float] = []
+    for k in range(_TABLE):
+        decay = (1.0 - a) ** (2 * max(k - 1, 0))
+        share.append(decay + a * a * (1.0 - decay) / (1.0 - (1.0 - a) ** 2))
+    gain = [0.0] * _TABLE
+    for i in range(2, _TABLE):
+        gain[i] = (1.0 - a) * (gain[i - 1] + a * (1.0 + share[i - 1]))
+    return share, gain
 
 
 def quantile(ordered: list[int] | list[float], q: float) -> float:
