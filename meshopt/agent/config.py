@@ -27,6 +27,7 @@ from meshopt.configfile import (
     read_toml,
 )
 from meshopt.errors import InputError
+from meshopt.metrics import AgentMetricsSettings, parse_listen
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 LAYOUTS = ("auto", "single", "per-peer")
@@ -71,6 +72,9 @@ class RouteSettings:
     rule_priority: int = 7701
     withdraw_on_stop: bool = True
     forwarding: bool = True
+    # auto: per WireGuard interface where the kernel can (6.17+), else all only for an
+    # IPv6 mesh_prefixes entry; all: net.ipv6.conf.all.forwarding; off: never.
+    ipv6_forwarding: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,14 @@ class TransferSettings:
         ):
             if count < 1:
                 raise InputError(f"transfer.{key} must be >= 1")
+        if self.enabled:  # zstandard and pyfastcdc are the optional [transfer] extra
+            import importlib.util
+
+            for module in ("zstandard", "pyfastcdc"):
+                if importlib.util.find_spec(module) is None:
+                    raise InputError(
+                        f"transfer.enabled needs {module}: pip install 'meshopt-wg[transfer]'"
+                    )
 
 
 @dataclass(frozen=True)
@@ -146,15 +158,18 @@ class AgentConfig:
     max_skew_s: float = 30.0  # how far the controller's clock may run ahead of ours
     state_dir: str = "/var/lib/meshopt"
     peer_poll_s: float = 2.0
+    log_level: str = ""  # debug|info|warning|error; empty: --log-level (a reload applies it)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     bandwidth: BandwidthSettings = field(default_factory=BandwidthSettings)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     routes: RouteSettings = field(default_factory=RouteSettings)
     bulk: BulkSettings = field(default_factory=BulkSettings)
     transfer: TransferSettings = field(default_factory=TransferSettings)
+    metrics: AgentMetricsSettings = field(default_factory=AgentMetricsSettings)
 
 
 _SECTIONS: dict[str, type[Any]] = {
+    "metrics": AgentMetricsSettings,
     "broker": BrokerSettings,
     "probe": ProbeSettings,
     "bandwidth": BandwidthSettings,
@@ -229,12 +244,21 @@ def check_config(cfg: AgentConfig) -> None:
         if not 1 <= port <= 65535:
             raise InputError(f"{name} must be 1..65535")
     cfg.transfer.check()
+    parse_listen(cfg.metrics.listen)
+    if 0 < cfg.metrics.status_interval_s < 0.5:
+        raise InputError("metrics.status_interval_s must be 0 (off) or >= 0.5")
     r = cfg.routes
     for name, table in (("fast_table", r.fast_table), ("bulk_table", r.bulk_table)):
         if not 1 <= table < 2**32 or table in (253, 254, 255):
             raise InputError(f"routes.{name} must be a table id other than local/main/default")
     if r.fast_table == r.bulk_table:
         raise InputError("routes.fast_table and routes.bulk_table must differ")
+    if r.ipv6_forwarding not in ("auto", "all", "off"):
+        raise InputError(
+            f"routes.ipv6_forwarding must be auto, all or off, got {r.ipv6_forwarding!r}"
+        )
+    if cfg.log_level not in ("", "debug", "info", "warning", "error"):
+        raise InputError(f"log_level must be debug, info, warning or error, got {cfg.log_level!r}")
     bulk_classifier(cfg)  # raises InputError naming the bad entry
     check_broker_files(cfg.broker)  # regular files of sane size, before they are read
     check_broker_settings(cfg.broker)  # reads the TLS and password files: --check sees them

@@ -31,14 +31,16 @@ from typing import TYPE_CHECKING
 
 from pyroute2.netlink.exceptions import NetlinkError
 
+from meshopt import sdnotify
 from meshopt.agent.config import AgentConfig, bulk_classifier
 from meshopt.agent.core import AgentCore, RouteState
-from meshopt.agent.netstate import NetState, set_sysctl
+from meshopt.agent.netstate import NetState, Sysctls
 from meshopt.agent.peers import PeerTracker
 from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
 from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
 from meshopt.agent.telemetry import Capacity, peer_report, significant
+from meshopt.agent.wgquick import warn_save_config
 from meshopt.bus.client import BusClient
 from meshopt.bus.messages import Counters, PeerReport, RouteSet
 from meshopt.bus.signing import load_private_key, load_public_key
@@ -54,9 +56,31 @@ from meshopt.wireguard.kernel import kernel_wireguard_available
 from meshopt.wireguard.model import InterfaceState
 
 if TYPE_CHECKING:
+    from meshopt.install.model import DesiredRoute
+    from meshopt.metrics.server import MetricsServer
     from meshopt.transfer.receiver import TransferServer
 
 log = logging.getLogger("meshopt.agent")
+
+# What a reload cannot change under a running agent (open sockets, the broker session,
+# the state it keeps); everything else takes effect at SIGHUP.
+AGENT_RESTART_ONLY = (
+    "mesh",
+    "node",
+    "interfaces",
+    "layout",
+    "wireguard",
+    "wireguard_run_dir",
+    "broker",
+    "state_dir",
+    "probe.port",
+    "probe.window",
+    "bandwidth",
+    "routes",
+    "bulk",
+    "transfer",
+    "metrics",  # the endpoint is bound at start
+)
 
 
 def wireguard_backend(cfg: AgentConfig) -> AsyncWireGuardBackend:
@@ -101,6 +125,10 @@ class Agent:
         self.trusted = [load_public_key(k) for k in cfg.controller_keys]
         self.state_path = Path(cfg.state_dir) / f"agent-{cfg.mesh}-{cfg.node}.json"
         self.state: AgentState = load_state(self.state_path)
+        self.sysctls = Sysctls(Path(cfg.state_dir) / f"sysctl-{cfg.mesh}-{cfg.node}.json")
+        self._sysctl_interfaces: set[str] = set()
+        self._told_ready = False
+        self._poll_lock = asyncio.Lock()  # the peer loop and a reload never poll at once
         self.core = AgentCore(
             cfg.mesh,
             cfg.node,
@@ -134,6 +162,11 @@ class Agent:
         self.last_published: dict[str, PeerReport] = {}
         self.last_full = -1e18
         self.installed_routes = 0
+        self.installed: list[DesiredRoute] = []  # the last apply's routes (metrics, status)
+        self.applied = False  # a route set was reconciled into the kernel at least once
+        self.loops: dict[str, asyncio.Task[None]] = {}  # for /healthz
+        self.started_at = wall()
+        self.running = True  # False once stopping: the last status file says so
         self.failed_over: set[tuple[str, str]] = set()
         self._shape: tuple[object, ...] = ()
         self._shape_checked = -1e18
@@ -163,6 +196,10 @@ class Agent:
         ]
         if self.cfg.bandwidth.enabled:
             tasks.append(asyncio.create_task(self._bandwidth_loop(), name="bandwidth"))
+        if self.cfg.metrics.status_interval_s > 0:
+            tasks.append(asyncio.create_task(self._status_loop(), name="status"))
+        self.loops = {t.get_name(): t for t in tasks}
+        metrics = await self._start_metrics()
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -171,16 +208,17 @@ class Agent:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if metrics is not None:
+                await metrics.close()
             await self._teardown()
 
     async def _setup(self) -> None:
         await self.net.open()
         await self.installer.open()
         if self.cfg.routes.forwarding:
-            set_sysctl("net.ipv4.ip_forward", "1")
-            set_sysctl("net.ipv6.conf.all.forwarding", "1")
-            # Relayed traffic arrives on one tunnel and its replies may leave by another.
-            set_sysctl("net.ipv4.conf.all.rp_filter", "0")
+            # Only what relaying needs, restored on stop (docs/daemons.md).
+            ipv6_mesh = any(":" in p for p in self.cfg.mesh_prefixes)
+            self.sysctls.enable_forwarding(self.cfg.routes.ipv6_forwarding, ipv6_mesh)
         # No address yet: _poll_peers binds our probe addresses once it has made them.
         await self.responder.start((), port=self.cfg.probe.port)
         if self.cfg.bandwidth.enabled:
@@ -191,6 +229,8 @@ class Agent:
             await self._start_transfer()
         if not self.trusted:
             log.warning("no controller_keys configured: measuring only, no route is installed")
+        warn_save_config(self.interfaces, self.cfg.layout)
+        sdnotify.status(f"WireGuard read ({len(self.tracker.peers)} peers); connecting to broker")
         log.info(
             "agent %s/%s up: interfaces %s, %d peers",
             self.cfg.mesh,
@@ -233,6 +273,9 @@ class Agent:
         with contextlib.suppress(Exception):
             if self.cfg.routes.withdraw_on_stop:
                 await self.withdraw()
+                self.installed = []  # what `meshopt status` compares the kernel with now
+        self.running = False
+        self._write_status()
         with contextlib.suppress(Exception):
             await self.bus.publish(
                 self.topics.status(self.cfg.node),
@@ -247,6 +290,44 @@ class Agent:
             await self.transfer.close()
         await self.installer.close()
         await self.net.close()
+        with contextlib.suppress(Exception):
+            self.sysctls.restore()  # the host's own values, as found before the first run
+
+    # --- observability (meshopt.metrics) -----------------------------------------------
+
+    async def _start_metrics(self) -> MetricsServer | None:
+        """/metrics and /healthz on ``metrics.listen``; a port in use is logged, not fatal."""
+        from meshopt.metrics import parse_listen
+
+        listen = parse_listen(self.cfg.metrics.listen)
+        if listen is None:
+            return None  # off: prometheus-client (~1.6 MB) is not even imported
+        from meshopt.metrics.agent import agent_health, agent_registry
+        from meshopt.metrics.server import start_metrics
+
+        return await start_metrics(
+            listen,
+            agent_registry(self),
+            lambda: agent_health(self, self.loops),
+            "agent",
+        )
+
+    def _write_status(self) -> None:
+        """The local status file for ``meshopt status`` (works with the broker down)."""
+        if self.cfg.metrics.status_interval_s <= 0:
+            return
+        from meshopt.metrics.statusfile import snapshot, status_path, write_status
+
+        path = status_path(self.cfg.state_dir, self.cfg.mesh, self.cfg.node)
+        try:
+            write_status(path, snapshot(self, self.started_at))
+        except OSError as exc:
+            self.counters.count("status_write_failed", f"{path}: {exc.strerror or exc}")
+
+    async def _status_loop(self) -> None:
+        while True:
+            self._write_status()
+            await asyncio.sleep(self.cfg.metrics.status_interval_s)
 
     async def withdraw(self) -> None:
         """Remove our routes and give every peer back its AllowedIPs from before us."""
@@ -260,6 +341,51 @@ class Agent:
         for ifname, update in allowed_ips_updates(self.tracker.peers, merged).items():
             await self.wg.apply(ifname, update)
         log.info("withdrew %d routes and restored AllowedIPs", removed)
+
+    async def reload(self, path: str) -> str:
+        """SIGHUP: keys, thresholds, prefixes and peers change now; routes stay installed.
+
+        A file that does not load raises InputError (the runner logs it and the running
+        config stays); settings that need a restart keep their running values.
+        """
+        import dataclasses
+
+        from meshopt.agent.config import load_config
+        from meshopt.bus.signing import KeyRing, key_id
+        from meshopt.reload import describe, merge_reload
+
+        new = load_config(path)
+        identity = load_private_key(new.identity_key)
+        trusted = [load_public_key(k) for k in new.controller_keys]
+        cfg, now, later = merge_reload(self.cfg, new, AGENT_RESTART_ONLY)
+        if later:
+            log.warning("reload: %s changed: needs a restart (kept as running)", ", ".join(later))
+        old, self.cfg = self.cfg, cfg
+        self.trusted = trusted
+        self.core.trusted = KeyRing(trusted)
+        self.core.identity, self.core.key_id = identity, key_id(identity)
+        self.core.max_skew_s = cfg.max_skew_s
+        if cfg.probe != old.probe:
+            pc = dataclasses.replace(
+                self.prober.config,
+                interval_s=cfg.probe.interval_s,
+                dead_after_s=cfg.probe.dead_after_s,
+            )
+            self.prober.config = pc
+            self.prober._min_unanswered = 2 if pc.dead_after_s >= 2 * pc.interval_s else 1
+        if cfg.log_level:
+            logging.getLogger().setLevel(cfg.log_level.upper())
+        warn_save_config(self.interfaces, cfg.layout)
+        if self._ready.is_set():  # else the start is still reading WireGuard, with cfg
+            async with self._poll_lock:  # WireGuard re-read now, and a re-plan
+                self._shape = ()
+                try:  # the new config is in effect already: a failed read is the loop's
+                    await self._poll_peers()
+                except (MeshoptError, OSError, NetlinkError) as exc:
+                    self.counters.count("poll_failed", str(exc))
+            self._wake.set()
+        log.info("reloaded %s: %s", path, describe(old, cfg, now) or "nothing changed")
+        return f"running: {len(self.tracker.peers)} peers, configuration reloaded"
 
     # --- peers ------------------------------------------------------------------------
 
@@ -277,6 +403,11 @@ class Agent:
     async def _poll_peers(self) -> None:
         readings = await self._read_interfaces()
         self.interfaces = sorted(readings)
+        if self.cfg.routes.forwarding:
+            self._sysctl_interfaces &= set(self.interfaces)  # one re-created starts afresh
+            for ifname in set(self.interfaces) - self._sysctl_interfaces:
+                self.sysctls.enable_interface(ifname, self.cfg.routes.ipv6_forwarding)
+                self._sysctl_interfaces.add(ifname)
         added, removed = self.tracker.update(readings, self.clock(), self.wall())
         changed = bool(added or removed)
         for key in added:
@@ -333,7 +464,8 @@ class Agent:
         while True:
             await asyncio.sleep(self.cfg.peer_poll_s)
             try:
-                await self._poll_peers()
+                async with self._poll_lock:
+                    await self._poll_peers()
             except (MeshoptError, OSError, NetlinkError) as exc:
                 self.counters.count("poll_failed", str(exc))
 
@@ -405,6 +537,9 @@ class Agent:
             for err in result.errors:
                 self.counters.count("route_refused", str(err))
             self.installed_routes = len(plan.routes)
+            self.installed = list(plan.routes)
+            self.applied = True
+            self._write_status()
         took_ms = (self.clock() - started) * 1000
         for f in new:
             log.warning(
@@ -430,6 +565,9 @@ class Agent:
             self.topics.status(self.cfg.node), self.core.online(self.wall()), retain=True, qos=1
         )
         self.last_full = -1e18  # a fresh full snapshot for whoever listens now
+        if not self._told_ready:  # WireGuard was read in _setup; now the broker is here
+            self._told_ready = True
+            sdnotify.ready(f"running: {len(self.tracker.peers)} peers, broker connected")
 
     async def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
         if topic != self.topics.routes(self.cfg.node):
@@ -464,13 +602,17 @@ class Agent:
         }
 
     async def _telemetry_loop(self) -> None:
-        cfg = self.cfg.telemetry
         while True:
+            cfg = self.cfg.telemetry  # each round: a reload may change it
             await asyncio.sleep(cfg.check_interval_s)
             reports = self.reports()
             now = self.clock()
             full = now - self.last_full >= cfg.full_interval_s
             if not full and not significant(self.last_published, reports, cfg):
+                continue
+            if not self.tracker.own_keys:
+                # No interface read yet (not up, or its socket refused us): telemetry
+                # names the node's WireGuard key, and "" would not encode.
                 continue
             counters = self.counters.snapshot()
             counters["bandwidth_bytes"] = self.bandwidth_bytes
@@ -540,8 +682,8 @@ class Agent:
 async def pmtu_in_subprocess(addresses: Sequence[str], timeout: float = 120.0) -> dict[str, int]:
     """Path MTU through each tunnel (DF set), found by one short-lived helper process.
 
-    The probes are built with scapy, which would add ~22 MB to the agent for searches
-    that run once per peer: a separate process pays that only while it runs.
+    It runs once per peer: a short-lived process keeps its raw sockets and large echo
+    buffers out of the long-running agent.
     """
     code = (
         "import asyncio, sys\n"

@@ -52,11 +52,19 @@ def agent_cmd(ctx: click.Context, config_path: str | None, log_level: str, check
     except InputError as exc:
         raise InputError(printable(str(exc))) from None
     if check:
+        # Run as root, --check can read wg-quick's root-only configs (the unit's user cannot).
+        from meshopt.agent import wgquick
+
+        where = wgquick.WG_QUICK_DIR
+        names = wgquick.config_names(cfg.interfaces, where)
+        for warning in wgquick.save_config_warnings(names, cfg.layout, where):
+            click.echo(f"meshopt: warning: {warning}", err=True)
         click.echo(f"{config_path}: ok (mesh {cfg.mesh}, node {cfg.node})")
         return
     from meshopt.agent.daemon import Agent
 
-    run_daemon(log_level, Agent(cfg).run)
+    agent = Agent(cfg)
+    run_daemon(cfg.log_level or log_level, agent.run, reload=lambda: agent.reload(config_path))
 
 
 @agent_cmd.command("keygen")

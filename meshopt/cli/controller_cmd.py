@@ -44,7 +44,8 @@ def controller_group(
         return
     from meshopt.controller.daemon import Controller
 
-    run_daemon(log_level, Controller(cfg).run)
+    controller = Controller(cfg)
+    run_daemon(log_level, controller.run, reload=lambda: controller.reload(config_path))
 
 
 @controller_group.command("keygen")

@@ -24,6 +24,7 @@ from meshopt.configfile import (
 )
 from meshopt.errors import InputError
 from meshopt.metric import Metric
+from meshopt.metrics import ControllerMetricsSettings, parse_listen
 from meshopt.policy import PolicyConfig
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -85,12 +86,14 @@ class ControllerConfig:
     controller_keys: tuple[str, ...] = ()
     max_skew_s: float = 30.0  # how far a sender's clock may run ahead of ours
     node_keys: tuple[Enrolment, ...] = ()  # the [node_keys] table
+    metrics: ControllerMetricsSettings = field(default_factory=ControllerMetricsSettings)
 
 
 _SECTIONS: dict[str, type[Any]] = {
     "policy": PolicySettings,
     "metric": MetricSettings,
     "broker": BrokerSettings,
+    "metrics": ControllerMetricsSettings,
 }
 
 
@@ -123,6 +126,7 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
             raise InputError("settle_s must be shorter than lease_s")
         cfg.policy.policy()
         cfg.metric.metric()
+        parse_listen(cfg.metrics.listen)
         for k in cfg.controller_keys:
             _public_key(k, "controller_keys")
         if cfg.nodes and set(cfg.nodes) - {e.node for e in enrolled}:

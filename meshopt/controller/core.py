@@ -119,11 +119,28 @@ class ControllerCore:
         self.urgent = False
         self.last: Computed | None = None
         self.recomputes = 0
+        self.route_changes = 0  # next-hop entries changed, over all recomputes (metrics)
         self.accepted = 0
         self.session_since = 0.0
         # What we published last per topic: the broker echoes it back to us, and our own
         # bytes need no signature check (a fifth of the core's CPU at 50 nodes).
         self._own: dict[str, tuple[bytes, RouteSet | Lease]] = {}
+
+    def reconfigure(self, cfg: ControllerConfig, now: float) -> None:
+        """A reload: enrolments, other controllers' keys, policy and timing take effect
+        now (the caller kept the settings that need a restart). A node no longer enrolled
+        has its telemetry refused from now on and leaves the routes when it goes stale."""
+        self.cfg = cfg
+        self.controllers = KeyRing([self.key.public_key(), *cfg.controller_keys])
+        self.enrolled = {e.node: e for e in cfg.node_keys}
+        self.node_rings = {e.node: KeyRing([e.key]) for e in cfg.node_keys}
+        self.pinned_keys = {e.node: set(e.wireguard) for e in cfg.node_keys if e.wireguard}
+        self.pinned_addrs = {
+            e.node: {_normal(a) for a in e.addresses} for e in cfg.node_keys if e.addresses
+        }
+        self.view.allowed = set(self.enrolled)
+        self.engine.policy = cfg.policy.policy()
+        self.mark_dirty(now)
 
     # --- our own status -----------------------------------------------------------------
 
@@ -351,6 +368,7 @@ class ControllerCore:
         for node, reason in c.errors.items():
             self.counters.count("routes_unbuildable", f"{node}: {reason}")
         changed = int(c.decision.changed.sum())
+        self.route_changes += changed
         if changed:
             log.info(
                 "routes: %d entries changed (%d failed, %d improved)",

@@ -17,6 +17,7 @@ from typing import Any
 
 from meshopt.lab.lab import Lab
 from meshopt.lab.state import lab_dir
+from meshopt.metrics import AGENT_PORT as AGENT_METRICS_PORT
 
 
 def _toml_value(v: Any) -> str:
@@ -62,7 +63,13 @@ def agent_config(
         "identity_key": str(identity_key(lab, node)[0]),
         "state_dir": str(lab_dir(lab.plan.lab_id) / "agents" / node),
     }
-    out: dict[str, dict[str, Any]] = {"agent": agent, "broker": broker_table(lab, node)}
+    out: dict[str, dict[str, Any]] = {
+        "agent": agent,
+        "broker": broker_table(lab, node),
+        # /metrics and /healthz on the management network, where a Prometheus next to
+        # the broker and the controller reaches every node (docs/observability.md).
+        "metrics": {"listen": f"{lab.mgmt_ip(node)}:{AGENT_METRICS_PORT}"},
+    }
     for table, values in (sections or {}).items():
         out.setdefault(table, {}).update(values)
     return out

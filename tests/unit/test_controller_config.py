@@ -23,6 +23,7 @@ from meshopt.controller.config import (
 )
 from meshopt.errors import InputError
 from meshopt.metric import Metric
+from meshopt.metrics import ControllerMetricsSettings
 from meshopt.policy import PolicyConfig
 from meshopt.wireguard.keys import generate_keypair
 
@@ -39,10 +40,16 @@ def names(cls: type[Any]) -> set[str]:
 
 def test_example_config_names_every_key() -> None:
     data = tomllib.loads(EXAMPLE.read_text())
-    assert set(data) == {"controller", "policy", "metric", "node_keys"}
-    assert set(data["controller"]) == names(ControllerConfig) - {"policy", "metric", "node_keys"}
+    assert set(data) == {"controller", "policy", "metric", "node_keys", "metrics"}
+    assert set(data["controller"]) == names(ControllerConfig) - {
+        "policy",
+        "metric",
+        "node_keys",
+        "metrics",
+    }
     assert set(data["policy"]) == names(PolicySettings)
     assert set(data["metric"]) == names(MetricSettings)
+    assert set(data["metrics"]) == names(ControllerMetricsSettings)
 
 
 PLACEHOLDERS = {
