@@ -128,3 +128,18 @@ def relay_gains(p: Plan, top: int = 10) -> GainSummary:
     routed = reduce_paths(p.tables.next_hop, p.rtt)
     relayed = (p.tables.next_hop != np.arange(n)[None, :]) & (p.tables.next_hop != NO_ROUTE)
     return summarize_gains(p.topo.names, p.rtt, routed, routed, relayed, p.tables.path, top)
+
+
+def relay_paths(p: Plan) -> list[list[str]]:
+    """Every relayed route (three or more nodes) as names; a path whose way back is the
+    same nodes reversed is listed once, from its first node in topology order."""
+    names = p.topo.names
+    seen: set[tuple[int, ...]] = set()
+    out: list[list[str]] = []
+    for i, j in itertools.permutations(range(p.topo.n), 2):
+        idx = tuple(p.tables.path(i, j))
+        if len(idx) < 3 or idx[::-1] in seen:
+            continue
+        seen.add(idx)
+        out.append([names[k] for k in idx])
+    return out

@@ -26,3 +26,7 @@ class InputError(MeshoptError):
 
 class TopologyError(InputError):
     """A topology file or generator request that cannot be used."""
+
+
+class UnavailableError(MeshoptError):
+    """A service the command needs (the broker, a running lab) cannot be reached: exit 3."""

@@ -8,12 +8,15 @@ from it, in the node order of ``graph.graph["nodes"]``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import numpy as np
 
 from meshopt.metric import FloatArray, LinkSample, Metric
 from meshopt.topology.model import Topology
+
+if TYPE_CHECKING:  # imported where a graph is built: offline commands need only matrices
+    import networkx as nx
 
 
 def link_state(sample: LinkSample | None, metric: Metric) -> str:
@@ -39,6 +42,8 @@ def build_graph(
     A tunnel without a sample gets a ``missing`` edge at ``unknown_cost_ms``; a
     down link gets no edge. Samples for pairs that are not tunnels are ignored.
     """
+    import networkx as nx
+
     metric = metric or Metric()
     g = nx.DiGraph(nodes=list(nodes), metric=metric)
     g.add_nodes_from(nodes)

@@ -43,7 +43,7 @@ from meshopt.bus.messages import (
 )
 from meshopt.bus.signing import PublicKeyLike, unsigned_payload, verify_route_set
 from meshopt.bus.topics import ROOT, Topics, is_valid_name
-from meshopt.errors import MeshoptError
+from meshopt.errors import MeshoptError, UnavailableError
 from meshopt.topology.model import FloatMatrix, Node, Topology
 
 QUIET_S: Final = 0.5  # retained messages arrive at once; this much silence ends them
@@ -55,6 +55,10 @@ BusMessage = tuple[str, bytes]  # topic, payload
 
 class LiveError(MeshoptError):
     """The broker cannot be read, or holds nothing usable for the mesh asked for."""
+
+
+class MeshUnavailable(LiveError, UnavailableError):
+    """The broker cannot be reached, or no controller publishes there: exit status 3."""
 
 
 # --- the assembled view ---------------------------------------------------------------
@@ -467,7 +471,7 @@ async def read_bus(
                 if msg.retain:
                     last_retained = loop.time()
     except (aiomqtt.MqttError, OSError) as exc:
-        raise LiveError(f"cannot read the broker {_shown(broker)}: {exc}") from None
+        raise MeshUnavailable(f"cannot read the broker {_shown(broker)}: {exc}") from None
     return out
 
 
@@ -500,7 +504,9 @@ def read_view(
             hint = ""
             if isinstance(broker, BrokerSettings) and (broker.username or broker.password_file):
                 hint = " (an ACL may hide other meshes' topics: name the mesh with --mesh)"
-            raise LiveError(f"no meshopt mesh seen on {shown} — is a controller running?{hint}")
+            raise MeshUnavailable(
+                f"no meshopt mesh seen on {shown} — is a controller running?{hint}"
+            )
         if len(seen) > 1:
             raise LiveError(f"several meshes on {shown} ({', '.join(seen)}): pick one with --mesh")
         mesh = seen[0]
@@ -509,7 +515,10 @@ def read_view(
         for line in view.warnings:
             warn(line)
     if not view.route_sets:
-        raise LiveError(f"no route sets for mesh {mesh} on {shown} — is a controller running?")
+        message = f"no route sets for mesh {mesh} on {shown} — is a controller running?"
+        if any("/routes/" in topic for topic, _ in messages):
+            raise LiveError(message)  # there were some, refused (a wrong key): bad input
+        raise MeshUnavailable(message)
     return view
 
 

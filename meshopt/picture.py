@@ -83,11 +83,8 @@ def draw_mesh(
     Raises PictureError for a suffix other than .png/.svg, bad labels or paths, or a
     file that cannot be written; TopologyError for an unknown node name.
     """
-    path = Path(out)
-    fmt = FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        shown = path.suffix or "no suffix"
-        raise PictureError(f"pictures are .png or .svg, not {shown}", source=str(path))
+    path = check_picture_path(out)
+    fmt = FORMATS[path.suffix.lower()]
     labels = _edge_labels(topo, edge_label_ms, path)
     relays = _relays(topo, relay_paths, labels, path)
     down = {topo.index(name) for name in down_nodes}
@@ -106,6 +103,20 @@ def draw_mesh(
             fig.savefig(path, format=fmt, dpi=150, metadata=metadata, bbox_inches="tight")
         except OSError as e:
             raise PictureError(f"cannot write: {e.strerror or e}", source=str(path)) from None
+
+
+def check_picture_path(out: str | Path) -> Path:
+    """Refuse a bad ``--out`` before any work: a suffix other than .png/.svg, a
+    directory, or a folder that does not exist."""
+    path = Path(out)
+    if path.is_dir():
+        raise PictureError("is a directory; give the picture's file name", source=str(path))
+    if path.suffix.lower() not in FORMATS:
+        shown = path.suffix or "a name without a suffix"
+        raise PictureError(f"pictures are .png or .svg, not {shown}", source=str(path))
+    if not path.parent.is_dir():
+        raise PictureError(f"cannot write: no directory {str(path.parent)!r}", source=str(path))
+    return path
 
 
 def mesh_layout(topo: Topology) -> tuple[FloatArray, bool]:

@@ -27,7 +27,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from meshopt.bus.messages import decode_lease
@@ -46,9 +45,10 @@ from meshopt.lab.measure import (
 from meshopt.lab.mesh import LiveMesh, wait_until
 from meshopt.metric import Metric
 from meshopt.policy import PolicyConfig
+from meshopt.topologies import packaged, resolve
 
 Progress = Callable[[str], None]
-TOPOLOGY = Path(__file__).resolve().parents[2] / "topologies" / "bench8.yaml"
+TOPOLOGY = packaged("bench8.yaml")  # shipped in the package: found when installed
 
 
 @dataclass
@@ -246,7 +246,7 @@ def bench(
     stability_s: float = 600.0,
     progress: Progress = lambda _: None,
 ) -> dict[str, Any]:
-    topo = topology or str(TOPOLOGY)
+    topo = resolve(topology) if topology else str(TOPOLOGY)
     started = time.monotonic()
     results = [one_run(topo, i, progress) for i in range(runs)]
 

@@ -7,6 +7,7 @@ import os
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -21,12 +22,19 @@ def bench_group() -> None:
 
 @bench_group.command("convergence")
 @click.argument("topology", required=False, metavar="[TOPOLOGY]")
-@click.option("--runs", default=3, show_default=True, help="Runs per figure (medians).")
+@click.option(
+    "--runs",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Runs per figure (medians).",
+)
 @click.option(
     "--stability-s",
+    type=click.FloatRange(min=0.0, max=86400.0),
     default=600.0,
     show_default=True,
-    help="Seconds of +/-20 %% jitter for the stability figure (0: skip).",
+    help="Seconds of +/-20% jitter for the stability figure (0: skip).",
 )
 @click.option("--quick", is_flag=True, help="One run and 60 s of stability.")
 @click.option(
@@ -38,10 +46,11 @@ def convergence_cmd(
     topology: str | None, runs: int, stability_s: float, quick: bool, baseline: str | None
 ) -> None:
     """Route quality, re-route, fail-over and stability on an 8-node live mesh."""
+    base: dict[str, Any] = {}
+    if baseline is not None:
+        base = _read_baseline(baseline)
     if os.geteuid() != 0:
         raise InputError("meshopt bench convergence needs root (network namespaces)")
-    if runs < 1:
-        raise InputError("--runs must be at least 1")
     from meshopt.bench.convergence import bench
 
     if quick:
@@ -54,10 +63,26 @@ def convergence_cmd(
     err = console(stderr=True)
     result = bench(topology=topology, runs=runs, stability_s=stability_s, progress=err.log)
     if baseline is not None:
-        base = json.loads(Path(baseline).read_text())
         ratios = {}
         for key in ("degradation_s", "failure_s", "controller_failover_s"):
-            a, b = result[key].get("median"), base.get(key, {}).get("median")
+            a, b = result[key].get("median"), _median(base, key)
             ratios[key] = a / b if a is not None and b else None
         result["ratio_to_baseline"] = ratios
     click.echo(json.dumps(result, indent=2, default=str))
+
+
+def _read_baseline(path: str) -> dict[str, Any]:
+    """An earlier result of this command; anything else is one line, before the lab runs."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"--baseline {path}: not a JSON result ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"--baseline {path}: not a JSON object")
+    return data
+
+
+def _median(base: dict[str, Any], key: str) -> float | None:
+    entry = base.get(key)
+    value = entry.get("median") if isinstance(entry, dict) else None
+    return float(value) if isinstance(value, int | float) else None

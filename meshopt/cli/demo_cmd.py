@@ -13,12 +13,9 @@ from rich.table import Table
 from meshopt.cli.common import console, json_option, print_json
 from meshopt.errors import InputError
 from meshopt.policy import PolicyConfig
+from meshopt.topologies import packaged, resolve
 
-DEFAULT_TOPOLOGY = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "topologies",
-    "demo.yaml",
-)
+DEFAULT_TOPOLOGY = str(packaged("demo.yaml"))  # shipped in the package: found when installed
 
 
 def _ms(v: float | None) -> str:
@@ -59,7 +56,7 @@ def demo_cmd(
         raise InputError("meshopt demo needs root (network namespaces, TUN devices)")
     from meshopt.demo import run_demo
 
-    spec = topology or DEFAULT_TOPOLOGY
+    spec = resolve(topology) if topology else DEFAULT_TOPOLOGY
     out = console()
     err = console(stderr=True)
 

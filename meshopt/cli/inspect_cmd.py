@@ -7,9 +7,7 @@ from dataclasses import asdict
 
 import click
 
-from meshopt.analysis import node_routes, path_info, plan, relay_gains
 from meshopt.cli.common import (
-    console,
     json_option,
     metric_from,
     need_node,
@@ -27,8 +25,15 @@ from meshopt.cli.live_cmd import (
     refuse_live_options,
     refuse_offline_options,
 )
-from meshopt.cli.render import render_gains, render_path, render_routes
-from meshopt.sim.report import json_safe
+from meshopt.errors import InputError
+
+EXIT_NEGATIVE = 1  # an answer that is "no": an unreachable pair (see meshopt.cli.main)
+
+
+def need_two_nodes(a: str, b: str) -> None:
+    """``path T a a`` asks nothing: say so (bad input) rather than 'unreachable'."""
+    if a == b:
+        raise InputError(f"A and B are the same node ({a}): a path joins two different nodes")
 
 
 @click.command(
@@ -61,21 +66,32 @@ def path_cmd(
 ) -> None:
     if len(args) == 2:
         refuse_offline_options(ctx)
+        need_two_nodes(args[0], args[1])
         view = open_view(broker, mesh, lab, controller_keys, timeout)
-        live_path(view, args[0], args[1], as_json)
+        if not live_path(view, args[0], args[1], as_json):
+            ctx.exit(EXIT_NEGATIVE)
         return
     if len(args) != 3:
         raise click.UsageError(f"want TOPOLOGY A B or A B, got {len(args)} arguments")
     refuse_live_options(ctx, "TOPOLOGY")
     topology, a, b = args
+    from meshopt.analysis import path_info, plan
+    from meshopt.cli.render import Out, offline_path_json, render_path
+    from meshopt.sim.report import json_safe
+
     topo = open_topology(topology)
     need_node(topo, a)
     need_node(topo, b)
+    need_two_nodes(a, b)
     info = path_info(plan(topo, metric_from(relay_cost), symmetric=symmetric), a, b)
     if as_json:
-        print_json(json_safe({**asdict(info), "relays": info.relays, "gain_ms": info.gain_ms}))
+        print_json(json_safe(offline_path_json(topo.name, topology, info)))
     else:
-        render_path(console(), info)
+        out = Out()
+        render_path(out, info)
+        out.flush()
+    if not info.hops:
+        ctx.exit(EXIT_NEGATIVE)
 
 
 @click.command(
@@ -111,30 +127,49 @@ def routes_cmd(
     if topology is None:
         refuse_offline_options(ctx)
         view = open_view(broker, mesh, lab, controller_keys, timeout)
-        live_routes(view, nodes, as_json)
+        if not live_routes(view, nodes, as_json):
+            ctx.exit(EXIT_NEGATIVE)
         return
     refuse_live_options(ctx, "TOPOLOGY")
+    from meshopt.analysis import node_routes, plan
+    from meshopt.cli.render import Out, offline_routes_json, render_routes
+    from meshopt.sim.report import json_safe
+
     topo = open_topology(topology)
     for name in nodes:
         need_node(topo, name)
     p = plan(topo, metric_from(relay_cost), symmetric=symmetric)
-    chosen = list(nodes) or topo.names
+    chosen = list(dict.fromkeys(nodes)) or topo.names
     tables = {name: node_routes(p, name) for name in chosen}
+    doc = offline_routes_json(topo.name, topology, tables)
     if as_json:
-        print_json(json_safe({k: [asdict(e) for e in v] for k, v in tables.items()}))
-        return
-    c = console()
-    for name, entries in tables.items():
-        render_routes(c, name, entries)
+        print_json(json_safe(doc))
+    else:
+        out = Out()
+        for name, entries in tables.items():
+            render_routes(out, name, entries)
+        out.flush()
+    if doc["unreachable"]:
+        ctx.exit(EXIT_NEGATIVE)
 
 
 @click.command("gains")
 @topology_argument
-@click.option("--top", default=10, show_default=True, help="How many pairs to list.")
+@click.option(
+    "--top",
+    type=click.IntRange(min=0),
+    default=10,
+    show_default=True,
+    help="How many pairs to list.",
+)
 @routing_options
 @json_option
 def gains_cmd(topology: str, top: int, symmetric: bool, relay_cost: str, as_json: bool) -> None:
     """Which pairs gain from relaying through other nodes, and by how much."""
+    from meshopt.analysis import plan, relay_gains
+    from meshopt.cli.render import Out, render_gains
+    from meshopt.sim.report import json_safe
+
     topo = open_topology(topology)
     g = relay_gains(plan(topo, metric_from(relay_cost), symmetric=symmetric), top=top)
     if as_json:
@@ -142,4 +177,6 @@ def gains_cmd(topology: str, top: int, symmetric: bool, relay_cost: str, as_json
         d["top"] = [{**asdict(p), "gain_ms": p.gain_ms} for p in g.top]
         print_json(json_safe(d))
     else:
-        render_gains(console(), g, f"{topo.name}: {topo.n} nodes")
+        out = Out()
+        render_gains(out, g, f"{topo.name}: {topo.n} nodes")
+        out.flush()

@@ -16,6 +16,11 @@ def write_new_key(out: str, force: bool, consequence: str) -> str:
         raise InputError(f"{path} is a directory; give the key file's name")
     if path.exists() and not force:
         raise InputError(f"{path} exists; use --force to replace it ({consequence})")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise InputError(f"cannot write {path}: {parent} is not a directory")
+            break
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         key, public = generate_signing_key()

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
-import msgspec
 
-from meshopt.bus.client import BrokerSettings, check_broker_settings
-from meshopt.cli.common import F, console, json_option, print_json
-from meshopt.cli.render import render_live_path, render_live_routes
-from meshopt.errors import InputError
-from meshopt.live import LivePath, LiveView, NodeRoutes, read_view
-from meshopt.sim.report import json_safe
+from meshopt.cli.common import F, json_option, print_json, routing_options
+from meshopt.errors import InputError, UnavailableError
+
+if TYPE_CHECKING:
+    from meshopt.live import LiveView
 
 DEFAULT_BROKER = "mqtt://127.0.0.1:1883"
 # Broker credentials, kept out of the commands' signatures (five commands share
@@ -125,12 +122,19 @@ def open_view(
     controller_keys: Sequence[str],
     timeout: float,
 ) -> LiveView:
+    from meshopt.bus.client import BrokerSettings, check_broker_settings
+    from meshopt.live import read_view
+
     ctx = click.get_current_context(silent=True)
     given: dict[str, str] = dict(ctx.meta.get(_META, {})) if ctx is not None else {}
     if lab is not None:
         from meshopt.lab.lab import Lab
+        from meshopt.lab.state import LabError
 
-        attached = Lab.attach(lab)
+        try:
+            attached = Lab.attach(lab)
+        except LabError as exc:
+            raise UnavailableError(str(exc)) from None
         settings = attached.host_broker_settings("reader")
         if mesh is not None and mesh != attached.plan.name:
             raise InputError(f"lab {lab} runs mesh {attached.plan.name}, not {mesh}")
@@ -146,42 +150,11 @@ def open_view(
 
         for k in keys:
             load_public_key(k)  # a bad key is a clear error now, not "nothing verified"
-    err = console(stderr=True)
 
     def warn(line: str) -> None:
-        err.print(f"meshopt: warning: {line}", markup=False)
+        click.echo(f"meshopt: warning: {line}", err=True)
 
     return read_view(settings, mesh, trusted_keys=keys, timeout_s=timeout, warn=warn)
-
-
-def _when(t: float | None) -> dict[str, Any]:
-    iso = None if t is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
-    return {"since": t, "since_iso": iso}
-
-
-def node_routes_json(r: NodeRoutes) -> dict[str, Any]:
-    d = asdict(r)
-    d.update(_when(r.issued_at))
-    d["routes"] = [{**asdict(e), "relayed": e.relayed} for e in r.routes]
-    return d
-
-
-def path_json(view: LiveView, p: LivePath) -> dict[str, Any]:
-    return {
-        "mesh": view.mesh,
-        "src": p.src,
-        "dst": p.dst,
-        "table": p.table,
-        "path": p.nodes,
-        "complete": p.complete,
-        "problem": p.problem or None,
-        "relays": p.relays,
-        "hops": [asdict(h) for h in p.hops],
-        "rtt_ms": p.rtt_ms,
-        "direct_rtt_ms": p.direct_rtt_ms,
-        "gain_ms": p.gain_ms,
-        **_when(p.since),
-    }
 
 
 def _need_node(view: LiveView, name: str, *, routes: bool = False) -> None:
@@ -191,53 +164,74 @@ def _need_node(view: LiveView, name: str, *, routes: bool = False) -> None:
         raise InputError(f"no node {name!r} {what}in mesh {view.mesh} (nodes: {', '.join(known)})")
 
 
-def live_routes(view: LiveView, nodes: Sequence[str], as_json: bool) -> None:
+def live_routes(view: LiveView, nodes: Sequence[str], as_json: bool) -> bool:
+    """Print the route sets; False when a route does not arrive (exit status 1)."""
+    import msgspec
+
+    from meshopt.cli.render import Out, live_routes_json, render_live_routes
+    from meshopt.sim.report import json_safe
+
     for name in nodes:
         _need_node(view, name, routes=True)
-    chosen = list(nodes) or sorted(view.route_sets)
+    chosen = list(dict.fromkeys(nodes)) or sorted(view.route_sets)
     tables = {n: r for n in chosen if (r := view.routes(n)) is not None}
+    lease = None if view.lease is None else msgspec.structs.asdict(view.lease)
+    doc = live_routes_json(view, tables, lease)
     if as_json:
-        lease = None if view.lease is None else msgspec.structs.asdict(view.lease)
-        print_json(
-            json_safe(
-                {
-                    "mesh": view.mesh,
-                    "broker": view.broker,
-                    "lease": lease,
-                    "warnings": view.warnings,
-                    "nodes": {n: node_routes_json(r) for n, r in tables.items()},
-                }
-            )
-        )
-        return
-    c = console()
-    for r in tables.values():
-        render_live_routes(c, r)
+        print_json(json_safe(doc))
+    else:
+        out = Out()
+        for r in tables.values():
+            render_live_routes(out, r)
+        out.flush()
+    return not doc["unreachable"]
 
 
-def live_path(view: LiveView, a: str, b: str, as_json: bool) -> None:
+def live_path(view: LiveView, a: str, b: str, as_json: bool) -> bool:
+    """Print the path the route sets give; False when it does not arrive (exit status 1)."""
+    from meshopt.cli.render import Out, live_path_json, render_live_path
+    from meshopt.sim.report import json_safe
+
     _need_node(view, a)
     _need_node(view, b)
-    if a == b:
-        raise InputError(f"path from {a} to itself")
     p = view.path(a, b)
     if as_json:
-        print_json(json_safe(path_json(view, p)))
+        print_json(json_safe(live_path_json(view, p)))
     else:
-        render_live_path(console(), p)
+        out = Out()
+        render_live_path(out, p)
+        out.flush()
+    return p.complete
 
 
-@click.command("graph", help=LIVE_HELP)
+@click.command(
+    "graph",
+    help="""Picture of a mesh: tunnels labelled with RTTs, relay routes drawn in colour.
+
+\b
+meshopt graph TOPOLOGY --out x.svg   offline: the configured RTTs and the relay
+                                     routes meshopt would choose
+meshopt graph --out x.svg            live: measured RTTs and the installed routes
+"""
+    + LIVE_HELP,
+)
+@click.argument("topology", metavar="[TOPOLOGY]", required=False)
 @click.option(
     "--out",
     required=True,
     metavar="FILE",
     help="Picture to write: mesh.svg or mesh.png (by the suffix).",
 )
+@routing_options
 @live_options
 @json_option
+@click.pass_context
 def graph_cmd(
+    ctx: click.Context,
+    topology: str | None,
     out: str,
+    symmetric: bool,
+    relay_cost: str,
     broker: str | None,
     mesh: str | None,
     lab: str | None,
@@ -245,8 +239,16 @@ def graph_cmd(
     timeout: float,
     as_json: bool,
 ) -> None:
-    """Picture of a live mesh: tunnels with measured RTTs, relay routes drawn in colour."""
+    from meshopt.picture import check_picture_path
+
+    check_picture_path(out)
+    if topology is not None:
+        refuse_live_options(ctx, "TOPOLOGY")
+        _offline_graph(topology, out, symmetric, relay_cost, as_json)
+        return
+    refuse_offline_options(ctx)
     from meshopt.picture import draw_mesh
+    from meshopt.sim.report import json_safe
 
     view = open_view(broker, mesh, lab, controller_keys, timeout)
     topo, labels = view.picture_inputs()
@@ -273,6 +275,7 @@ def graph_cmd(
         print_json(
             json_safe(
                 {
+                    "source": "live",
                     "mesh": view.mesh,
                     "out": out,
                     "nodes": topo.names,
@@ -285,4 +288,48 @@ def graph_cmd(
         )
         return
     shown = "; ".join(" → ".join(p) for p in relays) or "none"
+    click.echo(f"picture written to {out}: {topo.n} nodes, relay paths: {shown}")
+
+
+def _offline_graph(
+    topology: str, out: str, symmetric: bool, relay_cost: str, as_json: bool
+) -> None:
+    """Draw a topology file with the relay routes the offline ``routes`` would give."""
+    from meshopt.analysis import plan, relay_paths
+    from meshopt.cli.common import metric_from, open_topology
+    from meshopt.picture import draw_mesh
+    from meshopt.sim.report import json_safe
+
+    topo = open_topology(topology)
+    p = plan(topo, metric_from(relay_cost), symmetric=symmetric)
+    relays = relay_paths(p)
+    draw_mesh(
+        topo,
+        out,
+        relay_paths=relays,
+        title=f"{topo.name}: configured RTT, relay routes in colour",
+    )
+    if as_json:
+        rtt = topo.rtt_ms()
+        edges = [
+            {"a": a, "b": b, "rtt_ms": float(rtt[topo.index(a), topo.index(b)])}
+            for a, b in topo.tunnel_pairs()
+        ]
+        print_json(
+            json_safe(
+                {
+                    "source": "offline",
+                    "mesh": topo.name,
+                    "topology": topology,
+                    "out": out,
+                    "nodes": topo.names,
+                    "down": [],
+                    "relay_paths": relays,
+                    "tunnels": edges,
+                    "warnings": [],
+                }
+            )
+        )
+        return
+    shown = "; ".join(" → ".join(r) for r in relays) or "none"
     click.echo(f"picture written to {out}: {topo.n} nodes, relay paths: {shown}")

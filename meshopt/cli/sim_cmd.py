@@ -5,11 +5,8 @@ from __future__ import annotations
 import sys
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from meshopt.cli.common import (
-    console,
     json_option,
     metric_from,
     open_topology,
@@ -17,18 +14,20 @@ from meshopt.cli.common import (
     routing_options,
     topology_argument,
 )
-from meshopt.cli.render import render_sim
 from meshopt.errors import InputError
-from meshopt.policy import PolicyConfig
-from meshopt.sim.engine import SimConfig, simulate
-from meshopt.sim.events import parse_event
 from meshopt.units import parse_duration_s
 
 
 @click.command("sim")
 @topology_argument
 @click.option("--duration", default="120s", show_default=True, help="Simulated time.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Random seed.")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0, max=2**32 - 1),
+    help="Random seed.",
+)
 @click.option(
     "--event",
     "events",
@@ -60,8 +59,14 @@ def sim_cmd(
     as_json: bool,
 ) -> None:
     """Simulate probing, the metric, the anti-flap policy and routing over time."""
+    from meshopt.policy import PolicyConfig
+    from meshopt.sim.engine import SimConfig, simulate
+    from meshopt.sim.events import parse_event
+    from meshopt.topology.names import resolve_event_links
+
     parsed = [parse_event(e) for e in events]
     topo = open_topology(topology, seed=seed)
+    parsed = resolve_event_links(parsed, topo.names)
     policy = PolicyConfig(0.0, 0.0, 0.0, 0.0) if no_policy else PolicyConfig()
     cfg = SimConfig(
         duration_s=parse_duration_s(duration, "--duration"),
@@ -75,6 +80,11 @@ def sim_cmd(
     )
     if cfg.duration_s <= 0 or cfg.probe_interval_s <= 0:
         raise InputError("--duration and --probe-interval must be > 0")
+    if cfg.recompute_s is not None and cfg.recompute_s <= 0:
+        raise InputError("--recompute must be > 0")
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
     err = Console(stderr=True)
     if err.is_terminal:
         with Progress(
@@ -92,5 +102,9 @@ def sim_cmd(
     if as_json:
         print_json(report.to_dict())
     else:
-        render_sim(console(), report)
+        from meshopt.cli.render import Out, render_sim
+
+        out = Out()
+        render_sim(out, report)
+        out.flush()
     sys.stdout.flush()

@@ -27,7 +27,8 @@ def transfer_group() -> None:
 
 
 def split_destination(spec: str) -> tuple[str, str]:
-    """``HOST[:DIR]`` -> (host, dir); IPv6 hosts go in brackets: ``[fd00::1]:backups``."""
+    """``NODE[:DIR]`` -> (node, dir); NODE is a node name or an IP address, IPv6 in
+    brackets: ``[fd00::1]:backups``."""
     if spec.startswith("["):
         end = spec.find("]")
         if end < 0:
@@ -40,7 +41,7 @@ def split_destination(spec: str) -> tuple[str, str]:
         raise InputError(f"bad destination {spec!r}: put IPv6 addresses in brackets")
     host, _, directory = spec.partition(":")
     if not host:
-        raise InputError(f"bad destination {spec!r}: no host")
+        raise InputError(f"bad destination {spec!r}: no node")
     return host, directory
 
 
@@ -75,14 +76,24 @@ def _mb(n: float) -> str:
 @transfer_group.command("send")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("destination", metavar="NODE[:DIR]")
-@click.option("--port", type=int, default=TRANSFER_PORT, show_default=True)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=TRANSFER_PORT,
+    show_default=True,
+    help="The receiver's TCP port.",
+)
 @live_options
 @click.option(
     "--link-mbit",
-    type=float,
+    type=click.FloatRange(min=0, min_open=True),
     help="Link rate for the compression decision (default: measured during the transfer).",
 )
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Chunk cache of what was sent (default: ~/.cache/meshopt/transfer).",
+)
 @click.option(
     "--overwrite",
     is_flag=True,
@@ -187,10 +198,24 @@ def send_cmd(
     help="Listen on this address (repeat for more). Default: this host's addresses inside "
     "the --allow prefixes (its overlay addresses), never every interface.",
 )
-@click.option("--port", type=int, default=TRANSFER_PORT, show_default=True)
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option(
-    "--cache-max-mb", type=float, default=4096, show_default=True, help="Chunk cache size cap."
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=TRANSFER_PORT,
+    show_default=True,
+    help="TCP port to listen on (0: any free port).",
+)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Chunk cache of what was received (default: inside --dir).",
+)
+@click.option(
+    "--cache-max-mb",
+    type=click.FloatRange(min=0),
+    default=4096,
+    show_default=True,
+    help="Chunk cache size cap.",
 )
 @click.option(
     "--quota-gib",
@@ -211,6 +236,7 @@ def send_cmd(
     type=click.FloatRange(min=0, max=100, max_open=True),
     default=_DEFAULTS.min_free_fraction * 100,
     show_default=True,
+    help="Keep this share of the disk free (or --min-free-gib, whichever is smaller).",
 )
 @click.option(
     "--partial-max-age-h",
@@ -231,12 +257,14 @@ def send_cmd(
     type=click.IntRange(min=1),
     default=_DEFAULTS.max_transfers,
     show_default=True,
+    help="Transfers received at once, from all senders.",
 )
 @click.option(
     "--max-per-sender",
     type=click.IntRange(min=1),
     default=_DEFAULTS.max_per_sender,
     show_default=True,
+    help="Transfers received at once from one sender.",
 )
 @click.option(
     "--allow-overwrite",
@@ -286,7 +314,13 @@ def serve_cmd(
             cache_max_bytes=int(cache_max_mb * 1e6),
             limits=limits,
         )
-        await server.start()
+        try:
+            await server.start()
+        except OSError as exc:
+            shown = ", ".join(hosts)
+            raise InputError(
+                f"cannot listen on {shown} port {port}: {exc.strerror or exc}"
+            ) from None
         where = ", ".join(f"[{h}]:{server.port}" for h in hosts)
         click.echo(f"listening on {where}, receiving into {directory}", err=True)
         try:

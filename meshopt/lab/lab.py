@@ -80,6 +80,7 @@ from meshopt.lab.wg import WgBackend, choose_wireguard, configure_mesh, start_wi
 from meshopt.sim.events import Event, check_events, parse_event
 from meshopt.topology import load_topology, save_topology
 from meshopt.topology.model import Topology
+from meshopt.topology.names import resolve_event_links
 from meshopt.wireguard.userspace import private_run_dir_argv
 
 Progress = Callable[[str], None]
@@ -609,7 +610,7 @@ class Lab:
             words[0] = f"link={head}"
         line = "at=0 " + " ".join(words)
         try:
-            event = parse_event(line)
+            (event,) = resolve_event_links([parse_event(line)], self.topo.names)
             check_events([event], self.topo)
         except InputError as exc:
             # The event parser's words, in the terms of this command.

@@ -16,13 +16,17 @@ from pathlib import Path
 
 import msgspec
 
-from meshopt.errors import MeshoptError
+from meshopt.errors import MeshoptError, UnavailableError
 
 LABS_ROOT = Path(os.environ.get("MESHOPT_LAB_ROOT", "/run/meshopt/labs"))
 
 
 class LabError(MeshoptError):
     """A lab operation that cannot be done; one line for the user."""
+
+
+class LabNotRunning(LabError, UnavailableError):
+    """No such lab is up: the service is unavailable (exit 3), not bad input."""
 
 
 class ProcState(msgspec.Struct):
@@ -87,7 +91,7 @@ def load(lab_id: str) -> LabState:
     try:
         return msgspec.json.decode(path.read_bytes(), type=LabState)
     except FileNotFoundError:
-        raise LabError(f"no lab with id {lab_id}") from None
+        raise LabNotRunning(f"no lab with id {lab_id}") from None
     except (OSError, msgspec.DecodeError) as exc:
         raise LabError(f"{path}: unreadable lab state: {exc}") from None
 
@@ -110,7 +114,7 @@ def find(name_or_id: str) -> LabState:
         if name_or_id in (s.name, s.id):
             return s
     running = ", ".join(s.name for s in labs) or "none"
-    raise LabError(f"no lab named {name_or_id!r} (running: {running})")
+    raise LabNotRunning(f"no lab named {name_or_id!r} (running: {running})")
 
 
 @contextlib.contextmanager

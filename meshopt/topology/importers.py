@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
 import numpy as np
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components, shortest_path
@@ -28,6 +27,7 @@ from meshopt.errors import InputError, TopologyError
 from meshopt.topology.geo import fibre_delay_ms, great_circle_km, mean_position
 from meshopt.topology.limits import Limits, TextLines, inner_path, open_text_lines, read_input
 from meshopt.topology.model import NODE_NAME, FloatMatrix, Node, Topology
+from meshopt.topology.names import NAME_RULE
 from meshopt.units import parse_loss, parse_time_ms
 
 HOP_MS = 0.05  # one-way forwarding delay per backbone router
@@ -74,6 +74,8 @@ def import_graph(
 
 def _read_graph(path: Path, limits: Limits) -> Any:
     """The graph of a GML or GraphML file, checked for size and nesting before parsing."""
+    import networkx as nx
+
     source = str(path)
     graphml = inner_path(path).suffix.lower() == ".graphml"
     data = read_input(path, limits)
@@ -197,6 +199,8 @@ def _scan_graphml(data: bytes, limits: Limits, source: str) -> None:
 
 def _simple_graph(g: Any) -> Any:
     """Undirected, no parallel edges, no self-loops: a backbone is about adjacency."""
+    import networkx as nx
+
     h = nx.Graph()
     h.add_nodes_from(g.nodes(data=True))
     h.add_edges_from((u, v) for u, v in g.edges() if u != v)
@@ -253,6 +257,8 @@ def _place_nodes(g: Any, warnings: list[str]) -> dict[Any, tuple[float, float]]:
 def _largest_component(
     g: Any, coords: dict[Any, tuple[float, float]], warnings: list[str], source: str
 ) -> list[Any]:
+    import networkx as nx
+
     placed = g.subgraph([v for v in g.nodes if v in coords])
     parts = sorted(nx.connected_components(placed), key=len, reverse=True)
     if not parts or len(parts[0]) < 2:
@@ -299,7 +305,7 @@ def _label(g: Any, v: Any) -> str:
 def sanitize_name(text: str) -> str:
     """A node name from free text: accents folded, other characters become '_'."""
     folded = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    name = re.sub(r"[^A-Za-z0-9_.]+", "_", folded).strip("_.")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", folded).strip("_.-")
     return name[:56]
 
 
@@ -521,7 +527,7 @@ def _row_dict(row: list[str], columns: list[str], source: str, line: int) -> dic
 def _pair_names(a: str, b: str, source: str, line: int) -> tuple[str, str]:
     for name in (a, b):
         if not NODE_NAME.fullmatch(name):
-            raise TopologyError(f"bad node name {name!r}", source=source, line=line)
+            raise TopologyError(f"bad node name {name!r}: {NAME_RULE}", source=source, line=line)
     if a == b:
         raise TopologyError(f"pair {a},{b} joins a node to itself", source=source, line=line)
     return a, b

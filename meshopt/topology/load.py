@@ -68,7 +68,9 @@ def load_topology(
 def _load(spec: str, seed: int | None, warnings: list[str] | None, limits: Limits) -> Topology:
     if spec.startswith("gen:"):
         return generate(spec, seed=seed)
-    path, options = split_options(spec)
+    from meshopt.topologies import resolve
+
+    path, options = split_options(resolve(spec))
     kind = file_kind(path)
     try:
         exists, regular = path.exists(), path.is_file()

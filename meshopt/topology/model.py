@@ -7,7 +7,6 @@ engine want arrays anyway.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -15,11 +14,10 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.errors import TopologyError
+from meshopt.topology.names import NODE_NAME as NODE_NAME
 
 FloatMatrix = npt.NDArray[np.float64]
 BoolMatrix = npt.NDArray[np.bool_]
-
-NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.]{0,62}")
 
 
 @dataclass(frozen=True)
@@ -187,3 +185,37 @@ class Topology:
             tunnels=self.tunnels.copy(),
             source=self.source,
         )
+
+    def rounded(self, ms_decimals: int = 3) -> Topology:
+        """A copy with delays and jitter to ``ms_decimals`` (default: microseconds), rates
+        likewise and loss to a millionth: what a person writes in a file, not a float's
+        seventeen digits. Coordinates keep their precision."""
+        topo = self.copy()
+        for m in (topo.delay_ms, topo.jitter_ms, topo.rate_mbit):
+            finite = np.isfinite(m)
+            r = np.round(m[finite], ms_decimals)
+            m[finite] = np.where((r == 0) & (m[finite] > 0), m[finite], r)  # keep tiny rates
+        topo.loss[:] = np.clip(np.round(topo.loss, 6), 0.0, 1.0)
+        return topo
+
+    def components(self) -> list[list[str]]:
+        """Node names of each connected part of the tunnel graph, largest first: one
+        list for a mesh every node can reach (through relays), more for a partition."""
+        seen = [False] * self.n
+        parts: list[list[str]] = []
+        names = self.names
+        for start in range(self.n):
+            if seen[start]:
+                continue
+            seen[start] = True
+            stack, part = [start], []
+            while stack:
+                i = stack.pop()
+                part.append(i)
+                for j in np.flatnonzero(self.tunnels[i]).tolist():
+                    if not seen[j]:
+                        seen[j] = True
+                        stack.append(j)
+            parts.append([names[i] for i in sorted(part)])
+        parts.sort(key=len, reverse=True)
+        return parts

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import ipaddress
 import math
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,13 +33,13 @@ from meshopt.errors import InputError, TopologyError
 from meshopt.topology.geo import distance_matrix_km, fibre_delay_ms
 from meshopt.topology.limits import Limits, inner_path, read_input
 from meshopt.topology.model import NODE_NAME, FloatMatrix, Node, Topology
+from meshopt.topology.names import NAME_RULE, split_link
 from meshopt.units import parse_loss, parse_rate_mbit, parse_time_ms
 
 TOP_KEYS = ("name", "description", "defaults", "nodes", "underlay", "tunnels", "geo_delay")
 NODE_KEYS = ("address", "site", "lat", "lon")
 LINK_KEYS = ("delay", "jitter", "loss", "rate")
 UNLIMITED = "unlimited"  # rate with no limit (the default when no rate is given)
-PAIR = re.compile(rf"\s*({NODE_NAME.pattern})\s*(->|-)\s*({NODE_NAME.pattern})\s*")
 
 Props = dict[str, float]  # subset of LINK_KEYS -> value in ms, fraction or Mbit/s
 
@@ -380,8 +379,7 @@ class _Builder:
         for name, knode, vnode in self.r.mapping(node, "nodes"):
             if not NODE_NAME.fullmatch(name):
                 raise self.r.error(
-                    f"bad node name {name!r}: use letters, digits, '_' and '.' "
-                    "(start with a letter or digit, at most 63 characters)",
+                    f"bad node name {name!r}: {NAME_RULE}",
                     knode,
                 )
             out.append(self.node(name, vnode, addresses))
@@ -440,19 +438,18 @@ class _Builder:
 
     def pair(self, text: str, node: yaml.Node, *, directed_ok: bool) -> tuple[int, int, bool]:
         """Indices and directedness of 'a-b' or 'a->b'."""
-        m = PAIR.fullmatch(text)
-        if not m:
-            form = "'a-b' or 'a->b'" if directed_ok else "'a-b'"
-            raise self.r.error(f"bad pair {text!r}: write {form}", node)
-        a, arrow, b = m.groups()
-        if arrow == "->" and not directed_ok:
+        form = "'a-b' or 'a->b'" if directed_ok else "'a-b'"
+        if "->" in text and not directed_ok:
+            a, _, b = (s.strip() for s in text.partition("->"))
             raise self.r.error(f"tunnel {text!r}: tunnels are two-way, write {a}-{b}", node)
-        for end in (a, b):
-            if end not in self.index:
-                raise self.r.error(f"pair {text!r}: unknown node {end!r}", node)
-        if a == b:
-            raise self.r.error(f"pair {text!r} joins a node to itself", node)
-        return self.index[a], self.index[b], arrow == "->"
+        if "-" not in text:
+            raise self.r.error(f"bad pair {text!r}: write {form}", node)
+        try:
+            link = split_link(text, self.index, directed_ok=directed_ok)
+        except InputError as exc:
+            raise self.r.error(exc.message.replace("link", "pair", 1), node) from None
+        a, b = link.a, link.b
+        return self.index[a], self.index[b], link.directed
 
     def underlay(self, node: yaml.Node) -> _Pairs:
         pairs = _Pairs()

@@ -66,8 +66,10 @@ def test_path_relay_cost_can_make_direct_win(capsys: pytest.CaptureFixture[str])
 
 def test_routes_json_one_node(capsys: pytest.CaptureFixture[str]) -> None:
     d = meshopt_json(capsys, "routes", TRIANGLE, "--node", "a")
-    assert list(d) == ["a"]
-    entries = {e["dst"]: e for e in d["a"]}
+    assert d["schema"] == "meshopt.routes/1" and d["source"] == "offline"
+    assert d["mesh"] == "triangle" and d["unreachable"] == []
+    assert list(d["nodes"]) == ["a"]
+    entries = {e["dst"]: e for e in d["nodes"]["a"]["routes"]}
     assert set(entries) == {"b", "c"}
     assert entries["b"]["next_hop"] == "c" and entries["b"]["path"] == ["a", "c", "b"]
     assert entries["b"]["rtt_ms"] == 40.0 and entries["b"]["direct_rtt_ms"] == 80.0
@@ -84,8 +86,8 @@ def test_routes_table_for_every_node(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_routes_symmetric_mode_reverses_paths(capsys: pytest.CaptureFixture[str]) -> None:
     d = meshopt_json(capsys, "routes", TRIANGLE, "--symmetric")
-    ab = next(e for e in d["a"] if e["dst"] == "b")
-    ba = next(e for e in d["b"] if e["dst"] == "a")
+    ab = next(e for e in d["nodes"]["a"]["routes"] if e["dst"] == "b")
+    ba = next(e for e in d["nodes"]["b"]["routes"] if e["dst"] == "a")
     assert ba["path"] == list(reversed(ab["path"])) == ["b", "c", "a"]
 
 

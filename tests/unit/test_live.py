@@ -380,7 +380,7 @@ def test_cli_chooses_the_mesh(
         == f"meshopt: error: several meshes on {live.tcp_url} (m1, m2): pick one with --mesh"
     )
     code, out, err = cli(capsys, "routes", "--broker", live.tcp_url, "--mesh", "m2")
-    assert code == 2
+    assert code == 3  # nothing published there: unavailable
     assert f"no route sets for mesh m2 on {live.tcp_url} — is a controller running?" in err
     assert "warning: skipped meshopt/m2/status/x1" in err
     code, out, err = cli(capsys, "path", "n1", "n4", "--broker", live.tcp_url, "--mesh", MESH)
@@ -393,11 +393,58 @@ def test_cli_empty_or_unreachable_broker(
 ) -> None:
     start = time.monotonic()
     code, _, err = cli(capsys, "routes", "--broker", broker.tcp_url)
-    assert code == 2 and time.monotonic() - start < 3
+    assert code == 3 and time.monotonic() - start < 3
     assert (
         err.strip()
         == f"meshopt: error: no meshopt mesh seen on {broker.tcp_url} — is a controller running?"
     )
     broker.stop()
     code, _, err = cli(capsys, "graph", "--broker", broker.tcp_url, "--out", "x.svg")
-    assert code == 2 and err.startswith(f"meshopt: error: cannot read the broker {broker.tcp_url}")
+    assert code == 3 and err.startswith(f"meshopt: error: cannot read the broker {broker.tcp_url}")
+
+
+# --- one JSON schema for the offline and the live form ---------------------------------
+
+
+def _shape(doc: dict[str, object]) -> dict[str, object]:
+    """The keys of a routes/path document, of its first node and first route or hop."""
+    shape: dict[str, object] = {"top": sorted(doc)}
+    nodes = doc.get("nodes")
+    if isinstance(nodes, dict):
+        node = next(iter(nodes.values()))
+        shape["node"] = sorted(node)
+        shape["route"] = sorted(node["routes"][0])
+    hops = doc.get("hops")
+    if isinstance(hops, list):
+        shape["hop"] = sorted(hops[0])
+    return shape
+
+
+def test_offline_and_live_json_share_one_schema(
+    live: Broker, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The same four nodes and RTTs as a topology file: the same keys, ``source`` apart."""
+    lines = ["a,b,rtt_ms", *(f"{a},{b},{ms}" for (a, b), ms in RTT.items())]
+    csv = tmp_path / "m1.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    docs = {}
+    for form, where in (("offline", [str(csv)]), ("live", ["--broker", live.tcp_url])):
+        code, out, err = cli(capsys, "routes", *where, "--json")
+        assert code == 0, err
+        routes = json.loads(out)
+        a, b = ("n1", "n4")
+        path_argv = [*where[:1], a, b] if form == "offline" else [a, b, *where]
+        code, out, err = cli(capsys, "path", *path_argv, "--json")
+        assert code == 0, err
+        docs[form] = (routes, json.loads(out))
+    (off_routes, off_path), (live_routes, live_path) = docs["offline"], docs["live"]
+    assert _shape(off_routes) == _shape(live_routes)
+    assert _shape(off_path) == _shape(live_path)
+    assert (off_routes["schema"], live_routes["schema"]) == ("meshopt.routes/1",) * 2
+    assert (off_path["schema"], live_path["schema"]) == ("meshopt.path/1",) * 2
+    assert (off_routes["source"], live_routes["source"]) == ("offline", "live")
+    assert (off_path["source"], live_path["source"]) == ("offline", "live")
+    # both forms agree on this mesh: n1 reaches n4 through n2
+    assert off_path["path"] == live_path["path"] == ["n1", "n2", "n4"]
+    assert off_path["reachable"] is live_path["reachable"] is True
+    assert off_path["rtt_ms"] == live_path["rtt_ms"] == 34.0

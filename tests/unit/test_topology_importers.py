@@ -229,7 +229,7 @@ def test_plain_csv_missing_pairs_have_no_tunnel(tmp_path: Path) -> None:
         ("a,b,rtt_ms,loss\nx,y,1,200%\n", 2, "loss"),
         ("a,b,rtt_ms\nx,x,1\n", 2, "itself"),
         ("a,b,rtt_ms\nx,y,1\ny,x,2\n", 3, "duplicate pair"),
-        ("a,b,rtt_ms\nx-1,y,1\n", 2, "bad node name"),
+        ("a,b,rtt_ms\nx/1,y,1\n", 2, "bad node name"),
         ("# c\n\na,b,rtt_ms\nx,y,1\nx,z,1\nz,y,ms\n", 6, "bad rtt_ms"),
     ],
 )
