@@ -18,8 +18,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 from meshopt.agent.telemetry import telemetry
 from meshopt.bus.freshness import MAX_SKEW_S, first_seq, seq_ceiling, term_ceiling
 from meshopt.bus.messages import (
@@ -29,7 +27,14 @@ from meshopt.bus.messages import (
     PeerReport,
     RouteSet,
 )
-from meshopt.bus.signing import KeyRing, PublicKeyLike, key_id, sign, verify_route_set
+from meshopt.bus.signing import (
+    KeyRing,
+    PrivateKeyObject,
+    PublicKeyLike,
+    key_id,
+    sign,
+    verify_route_set,
+)
 from meshopt.bus.topics import Topics
 
 log = logging.getLogger("meshopt.agent")
@@ -54,7 +59,7 @@ class AgentCore:
         self,
         mesh: str,
         node: str,
-        identity: Ed25519PrivateKey,
+        identity: PrivateKeyObject,
         controller_keys: Sequence[PublicKeyLike],
         state: RouteState,
         wall: float,

@@ -43,7 +43,7 @@ from meshopt.agent.telemetry import Capacity, peer_report, significant
 from meshopt.agent.wgquick import warn_save_config
 from meshopt.bus.client import BusClient
 from meshopt.bus.messages import Counters, PeerReport, RouteSet
-from meshopt.bus.signing import load_private_key, load_public_key
+from meshopt.bus.signing import load_public_key, load_signing_key
 from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
@@ -132,7 +132,7 @@ class Agent:
         self.core = AgentCore(
             cfg.mesh,
             cfg.node,
-            load_private_key(cfg.identity_key),
+            load_signing_key(cfg.identity_key),
             self.trusted,
             RouteState(self.state.route_version, self.state.route_term),
             wall(),
@@ -355,7 +355,7 @@ class Agent:
         from meshopt.reload import describe, merge_reload
 
         new = load_config(path)
-        identity = load_private_key(new.identity_key)
+        identity = load_signing_key(new.identity_key)
         trusted = [load_public_key(k) for k in new.controller_keys]
         cfg, now, later = merge_reload(self.cfg, new, AGENT_RESTART_ONLY)
         if later:

@@ -57,6 +57,7 @@ from urllib.parse import unquote, urlsplit
 
 import aiomqtt
 
+from meshopt.bus.certs import Certificate, key_pair_problem, load_pem_certificates
 from meshopt.bus.messages import Counters
 from meshopt.errors import InputError
 from meshopt.smallfile import read_small_file
@@ -190,20 +191,15 @@ def read_password(path: str, what: str = "broker.password_file") -> str:
     return password
 
 
-def _certificates(path: str, what: str) -> list[Any]:
-    from cryptography import x509
-
+def _certificates(path: str, what: str) -> list[Certificate]:
     data = _read(path, what)
     try:
-        certs = x509.load_pem_x509_certificates(data)
+        return load_pem_certificates(data)
     except ValueError:
-        certs = []
-    if not certs:
-        raise InputError(f"{what} {path}: not a PEM certificate")
-    return certs
+        raise InputError(f"{what} {path}: not a PEM certificate") from None
 
 
-def _check_validity(cert: Any, path: str, what: str) -> None:
+def _check_validity(cert: Certificate, path: str, what: str) -> None:
     now = dt.datetime.now(dt.UTC)
     if cert.not_valid_after_utc < now:
         raise InputError(f"{what} {path}: expired on {cert.not_valid_after_utc:%Y-%m-%d}")
@@ -214,23 +210,22 @@ def _check_validity(cert: Any, path: str, what: str) -> None:
 
 
 def _check_key_pair(settings: BrokerSettings, where: str) -> None:
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from cryptography.hazmat.primitives import serialization
-
+    """OpenSSL's match of key to certificate (bus.certs: no ``cryptography`` in the agent)."""
     cert_what, key_what = _key(where, "cert_file"), _key(where, "key_file")
     cert = _certificates(settings.cert_file, cert_what)[0]
     _check_validity(cert, settings.cert_file, cert_what)
-    data = _read(settings.key_file, key_what)
+    _read(settings.key_file, key_what)
     try:
-        key = serialization.load_pem_private_key(data, password=None)
-    except TypeError:
+        problem = key_pair_problem(settings.cert_file, settings.key_file)
+    except OSError as exc:
+        raise InputError(f"{key_what} {settings.key_file}: {exc.strerror or exc}") from None
+    if problem == "encrypted":
         raise InputError(
             f"{key_what} {settings.key_file}: encrypted; use an unencrypted key (mode 0600)"
-        ) from None
-    except (ValueError, UnsupportedAlgorithm):
-        raise InputError(f"{key_what} {settings.key_file}: not a PEM private key") from None
-    spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    if key.public_key().public_bytes(*spki) != cert.public_key().public_bytes(*spki):
+        )
+    if problem == "not a key":
+        raise InputError(f"{key_what} {settings.key_file}: not a PEM private key")
+    if problem == "mismatch":
         raise InputError(
             f"{key_what} {settings.key_file}: not the key of {cert_what} {settings.cert_file}"
         )

@@ -12,6 +12,10 @@ signature made for one kind of message is worthless for another.
 Key formats: a public key is base64 of its raw 32 bytes (like a WireGuard key, one TOML
 line); a private key file is PKCS#8 PEM (what ``openssl genpkey -algorithm ed25519``
 writes) or base64 of the raw 32-byte seed, and is written with mode 0600.
+
+The agent signs and verifies on libsodium (PyNaCl) only: ``cryptography`` (its Rust
+extension is ~6 MB of every agent's memory) is imported for writing keys and for PEM
+forms other than the plain ones ``openssl genpkey`` and ``cryptography`` write.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import hashlib
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey as _NaclSigningKey
 from nacl.signing import VerifyKey
 
 from meshopt.bus.messages import (
@@ -47,22 +51,90 @@ from meshopt.bus.messages import (
 from meshopt.errors import InputError
 from meshopt.smallfile import read_small_file
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 SIGNATURE_LEN = 64
 KEY_LEN = 32
 
-PublicKeyLike = Ed25519PublicKey | str
+# The DER of the plain PEM forms, before the 32 key bytes: PKCS#8 v1 of an Ed25519 seed
+# (RFC 8410) and SubjectPublicKeyInfo of an Ed25519 public key.
+_PKCS8_PREFIX = bytes.fromhex("302e020100300506032b657004220420")
+_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
+
+
+@runtime_checkable
+class PublicKeyObject(Protocol):
+    """An Ed25519 public key: a :class:`PublicKey` or ``cryptography``'s."""
+
+    def public_bytes_raw(self) -> bytes: ...
+
+
+@runtime_checkable
+class PrivateKeyObject(Protocol):
+    """An Ed25519 private key that signs: a :class:`SigningKey` or ``cryptography``'s."""
+
+    def sign(self, data: bytes, /) -> bytes: ...
+
+    def public_key(self) -> PublicKeyObject: ...
+
+
+PublicKeyLike = PublicKeyObject | str
 CONTEXT = b"meshopt-signed-v1\n"
 
 
-def public_key_b64(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
+class PublicKey:
+    """An Ed25519 public key as its 32 raw bytes (verifying is the KeyRing's, on libsodium)."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        if len(raw) != KEY_LEN:
+            raise ValueError(f"an Ed25519 public key has {KEY_LEN} bytes, got {len(raw)}")
+        self._raw = bytes(raw)
+
+    def public_bytes_raw(self) -> bytes:
+        return self._raw
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PublicKey) and other._raw == self._raw
+
+    def __hash__(self) -> int:
+        return hash(self._raw)
+
+
+class SigningKey:
+    """An Ed25519 private key on libsodium: the same deterministic signatures as
+    ``cryptography``'s key of the same seed, without loading ``cryptography``."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, seed: bytes) -> None:
+        if len(seed) != KEY_LEN:
+            raise ValueError(f"an Ed25519 private key has {KEY_LEN} bytes, got {len(seed)}")
+        self._key = _NaclSigningKey(bytes(seed))
+
+    def sign(self, data: bytes, /) -> bytes:
+        return self._key.sign(data).signature
+
+    def public_key(self) -> PublicKey:
+        return PublicKey(bytes(self._key.verify_key))
+
+    def private_bytes_raw(self) -> bytes:
+        return bytes(self._key)
+
+
+def public_key_b64(key: PublicKeyObject | PrivateKeyObject) -> str:
     """Base64 text of the raw 32-byte public key (of a private key: its public half)."""
-    if isinstance(key, Ed25519PrivateKey):
+    if isinstance(key, PrivateKeyObject):
         key = key.public_key()
     return base64.b64encode(key.public_bytes_raw()).decode("ascii")
 
 
 def generate_signing_key() -> tuple[Ed25519PrivateKey, str]:
     """A fresh controller key: ``(private key, public key as base64)``."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     key = Ed25519PrivateKey.generate()
     return key, public_key_b64(key)
 
@@ -79,8 +151,27 @@ def _raw_b64(text: str) -> bytes | None:
     return raw if len(raw) == KEY_LEN else None
 
 
+def _plain_pem(data: bytes, label: bytes, prefix: bytes) -> bytes | None:
+    """The 32 key bytes of a one-block PEM whose DER is ``prefix`` + 32 bytes, None for
+    any other text (which ``cryptography`` then reads, or refuses, as before)."""
+    lines = data.strip().splitlines()
+    if len(lines) != 3 or lines[0] != b"-----BEGIN " + label + b"-----":
+        return None
+    if lines[2] != b"-----END " + label + b"-----":
+        return None
+    try:
+        der = base64.b64decode(lines[1], validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(der) != len(prefix) + KEY_LEN or not der.startswith(prefix):
+        return None
+    return der[len(prefix) :]
+
+
 def save_private_key(path: str | Path, key: Ed25519PrivateKey) -> None:
     """Write ``key`` as PKCS#8 PEM, mode 0600 from the first byte (atomic replace)."""
+    from cryptography.hazmat.primitives import serialization
+
     path = Path(path)
     pem = key.private_bytes(
         serialization.Encoding.PEM,
@@ -100,30 +191,48 @@ def save_private_key(path: str | Path, key: Ed25519PrivateKey) -> None:
         raise
 
 
-def load_private_key(path: str | Path) -> Ed25519PrivateKey:
-    """Read a PEM (PKCS#8) or base64-seed Ed25519 private key; InputError otherwise."""
-    path = Path(path)
+def _private_seed(path: Path) -> bytes:
+    """The 32-byte seed in a PEM (PKCS#8) or base64-seed Ed25519 key file; InputError else."""
     data = read_small_file(path, "signing key")
     if b"-----BEGIN" in data:
+        seed = _plain_pem(data, b"PRIVATE KEY", _PKCS8_PREFIX)
+        if seed is not None:
+            return seed
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         try:
             key = serialization.load_pem_private_key(data, password=None)
         except (ValueError, TypeError):
             raise InputError("not an unencrypted PEM private key", source=str(path)) from None
         if not isinstance(key, Ed25519PrivateKey):
             raise InputError("not an Ed25519 key", source=str(path))
-        return key
+        return key.private_bytes_raw()
     raw = _raw_b64(data.decode("ascii", errors="replace"))
     if raw is None:
         raise InputError("not an Ed25519 private key (PEM or base64 of 32 bytes)", source=str(path))
-    return Ed25519PrivateKey.from_private_bytes(raw)
+    return raw
 
 
-def load_public_key(text_or_path: str | Path) -> Ed25519PublicKey:
+def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+    """Read a PEM (PKCS#8) or base64-seed Ed25519 private key; InputError otherwise."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.from_private_bytes(_private_seed(Path(path)))
+
+
+def load_signing_key(path: str | Path) -> SigningKey:
+    """The key of :func:`load_private_key` (same files, same errors) on libsodium, for
+    the agent: it signs with it and never loads ``cryptography`` for plain key files."""
+    return SigningKey(_private_seed(Path(path)))
+
+
+def load_public_key(text_or_path: str | Path) -> PublicKey:
     """A public key from base64 text (44 characters) or from a file holding it (or PEM)."""
     if isinstance(text_or_path, str):
         raw = _raw_b64(text_or_path)
         if raw is not None:
-            return Ed25519PublicKey.from_public_bytes(raw)
+            return PublicKey(raw)
     path = Path(text_or_path)
     try:
         data = read_small_file(path, "public key")
@@ -133,26 +242,32 @@ def load_public_key(text_or_path: str | Path) -> Ed25519PublicKey:
             source=str(text_or_path)[:80],
         ) from None
     if b"-----BEGIN" in data:
+        raw = _plain_pem(data, b"PUBLIC KEY", _SPKI_PREFIX)
+        if raw is not None:
+            return PublicKey(raw)
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
         try:
             key = serialization.load_pem_public_key(data)
         except ValueError:
             raise InputError("not a PEM public key", source=str(path)) from None
         if not isinstance(key, Ed25519PublicKey):
             raise InputError("not an Ed25519 key", source=str(path))
-        return key
+        return PublicKey(key.public_bytes_raw())
     raw = _raw_b64(data.decode("ascii", errors="replace"))
     if raw is None:
         raise InputError("not an Ed25519 public key (base64 of 32 bytes)", source=str(path))
-    return Ed25519PublicKey.from_public_bytes(raw)
+    return PublicKey(raw)
 
 
-def _as_public(key: PublicKeyLike) -> Ed25519PublicKey:
-    return key if isinstance(key, Ed25519PublicKey) else load_public_key(key)
+def _as_public(key: PublicKeyLike) -> PublicKeyObject:
+    return load_public_key(key) if isinstance(key, str) else key
 
 
-def key_id(public: PublicKeyLike | Ed25519PrivateKey) -> str:
+def key_id(public: PublicKeyLike | PrivateKeyObject) -> str:
     """Short fingerprint: the first 8 bytes of SHA-256 of the raw public key, in hex."""
-    if isinstance(public, Ed25519PrivateKey):
+    if isinstance(public, PrivateKeyObject):
         public = public.public_key()
     raw = _as_public(public).public_bytes_raw()
     return hashlib.sha256(raw).hexdigest()[:16]
@@ -162,7 +277,7 @@ def _to_sign(kind: str, payload: bytes) -> bytes:
     return CONTEXT + kind.encode("ascii") + b"\n" + payload
 
 
-def sign(kind: SignedKind, msg: Message, key: Ed25519PrivateKey, kid: str | None = None) -> bytes:
+def sign(kind: SignedKind, msg: Message, key: PrivateKeyObject, kid: str | None = None) -> bytes:
     """The encoded Signed envelope of ``msg`` (validated first: nothing invalid is signed)."""
     payload = encode(msg)
     signed = Signed(
@@ -174,7 +289,7 @@ def sign(kind: SignedKind, msg: Message, key: Ed25519PrivateKey, kid: str | None
     return encode(signed)
 
 
-def sign_route_set(rs: RouteSet, key: Ed25519PrivateKey) -> bytes:
+def sign_route_set(rs: RouteSet, key: PrivateKeyObject) -> bytes:
     return sign("routes", rs, key)
 
 
@@ -183,7 +298,7 @@ class KeyRing:
 
     Verification runs on libsodium (PyNaCl): 78 us per 8 KB message here against 128 us
     for OpenSSL through ``cryptography``, and it refuses non-canonical signatures and
-    small-order keys. Keys are still read and written with ``cryptography`` (PEM).
+    small-order keys.
     """
 
     def __init__(self, keys: Iterable[PublicKeyLike] = ()) -> None:

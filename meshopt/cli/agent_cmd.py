@@ -31,7 +31,7 @@ def agent_cmd(ctx: click.Context, config_path: str | None, log_level: str, check
     if config_path is None:
         raise InputError("meshopt agent needs --config FILE (or: agent keygen, agent reset-term)")
     from meshopt.agent.config import load_config
-    from meshopt.bus.signing import load_private_key
+    from meshopt.bus.signing import load_signing_key
 
     cfg = load_config(config_path)
     # What Agent() reads at start must fail here, for --check and start alike, in one
@@ -44,7 +44,7 @@ def agent_cmd(ctx: click.Context, config_path: str | None, log_level: str, check
     state = Path(cfg.state_dir) / f"agent-{cfg.mesh}-{cfg.node}.json"
     try:
         check_key_file(cfg.identity_key, "identity_key", "signing key")
-        load_private_key(cfg.identity_key)
+        load_signing_key(cfg.identity_key)
         load_state(state)
     except OSError as exc:
         why = f"cannot read agent state {state}: {exc.strerror or exc}"

@@ -2,8 +2,9 @@
 
 WireGuard's tools (``wg``, config files, pyroute2) write keys as base64; wireguard-go's
 UAPI socket wants lowercase hex. The model keeps base64 (what operators read and paste)
-and converts at the UAPI boundary. The X25519 arithmetic comes from ``cryptography``
-(a maintained, audited binding), never from hand-written field code.
+and converts at the UAPI boundary. The X25519 arithmetic comes from libsodium (PyNaCl,
+which the agent loads anyway to sign), never from hand-written field code; it clamps the
+scalar as RFC 7748 says, so any 32 bytes give the public key ``wg pubkey`` prints.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import base64
 import binascii
 import os
 
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from nacl.bindings import crypto_scalarmult_base
 
 from meshopt.wireguard.errors import KeyFormatError
 
@@ -83,8 +84,7 @@ def generate_preshared_key() -> str:
 def public_key(private_key: str) -> str:
     """The public key of a base64 private key (``wg pubkey``)."""
     raw = key_to_bytes(private_key)
-    pub = X25519PrivateKey.from_private_bytes(raw).public_key().public_bytes_raw()
-    return key_from_bytes(pub)
+    return key_from_bytes(crypto_scalarmult_base(raw))
 
 
 def generate_keypair() -> tuple[str, str]:
