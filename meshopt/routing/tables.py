@@ -108,6 +108,14 @@ def reduce_paths(
     n = next_hop.shape[0]
     if n == 0:
         return np.zeros((0, 0))
+    if how == "sum" and np.min(edge) > -math.inf:  # False for NaN too
+        return _sum_paths(next_hop, np.asarray(edge, dtype=np.float64))
+    return _reduce_masked(next_hop, edge, how)
+
+
+def _reduce_masked(next_hop: IntArray, edge: FloatArray, how: Literal["sum", "min"]) -> FloatArray:
+    """The general case of ``reduce_paths``: failures tracked in a mask of their own."""
+    n = next_hop.shape[0]
     ident = 0.0 if how == "sum" else math.inf
     fail = math.inf if how == "sum" else 0.0
     op = np.add if how == "sum" else np.minimum
@@ -127,4 +135,29 @@ def reduce_paths(
         jump = jump.reshape(-1)[idx]
     bad |= jump != col
     val[bad] = fail
+    return val
+
+
+def _sum_paths(next_hop: IntArray, edge: FloatArray) -> FloatArray:
+    """``reduce_paths(..., "sum")`` for edges without NaN or -inf: failures ride along as inf.
+
+    An unreachable pair starts at inf and inf + anything stays inf, so no
+    separate failure mask is gathered each round (a third fewer gathers).
+    """
+    n = next_hop.shape[0]
+    col = np.arange(n, dtype=np.int64)
+    reach = next_hop >= 0
+    jump = np.where(reach, next_hop, col[None, :])
+    val = edge[col[:, None], jump]
+    np.fill_diagonal(val, 0.0)
+    val[~reach] = math.inf  # after the diagonal: a NO_ROUTE diagonal stays inf (as masked)
+    idx = np.empty((n, n), dtype=np.int64)
+    for _ in range(max(1, math.ceil(math.log2(n))) + 1):
+        if (jump == col).all():
+            break
+        np.multiply(jump, n, out=idx)
+        idx += col
+        val += np.take(val.reshape(-1), idx)
+        jump = np.take(jump.reshape(-1), idx)
+    val[jump != col] = math.inf
     return val

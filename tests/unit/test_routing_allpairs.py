@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshopt.routing.allpairs import (
     TIE_EPS_MS,
@@ -16,8 +17,16 @@ from meshopt.routing.allpairs import (
     reference_routes,
     tie_noise,
 )
-from meshopt.routing.tables import NO_ROUTE, reduce_paths, walk_costs
-from tests.unit.test_routing_common import INF, Mesh, follow, meshes, path_cost, to_graph
+from meshopt.routing.tables import NO_ROUTE, _reduce_masked, reduce_paths, walk_costs
+from tests.unit.test_routing_common import (
+    INF,
+    Mesh,
+    follow,
+    meshes,
+    path_cost,
+    random_costs,
+    to_graph,
+)
 
 
 def triangle(ab: float) -> np.ndarray:
@@ -181,3 +190,42 @@ def test_reduce_paths_on_a_long_chain() -> None:
     hops = reduce_paths(nh, edge)
     assert hops[0, n - 1] == n - 1
     assert np.array_equal(hops, walk_costs(nh, edge))
+
+
+@st.composite
+def ragged_tables(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
+    """Next-hop tables of any shape: loops, broken hops, NO_ROUTE diagonals, and edges."""
+    n = draw(st.integers(1, 30))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    nh = rng.integers(-1, n, (n, n)).astype(np.int64)
+    if draw(st.booleans()):  # mostly well-formed: real routes with a few faults
+        nh = compute_routes(random_costs(n, rng, "float", 0.6)).next_hop.copy()
+        faults = rng.random((n, n)) < 0.05
+        nh[faults] = rng.integers(-1, n, int(faults.sum()))
+    edge = rng.uniform(0.0, 100.0, (n, n))
+    edge[rng.random((n, n)) < 0.1] = INF
+    return nh, edge
+
+
+@settings(max_examples=300, deadline=None)
+@given(ragged_tables())
+def test_fast_sum_is_the_masked_reduction_bit_for_bit(t: tuple[np.ndarray, np.ndarray]) -> None:
+    nh, edge = t
+    fast = reduce_paths(nh, edge, "sum")
+    assert np.array_equal(fast, _reduce_masked(nh, edge, "sum"))
+    # With a proper diagonal the hop-by-hop walk fails exactly the same pairs.
+    np.fill_diagonal(nh, np.arange(nh.shape[0]))
+    fast = reduce_paths(nh, edge, "sum")
+    assert np.array_equal(fast, _reduce_masked(nh, edge, "sum"))
+    assert np.array_equal(np.isinf(fast), np.isinf(walk_costs(nh, edge)))
+
+
+def test_nan_and_minus_inf_edges_take_the_masked_path() -> None:
+    # 0 cannot reach 1; 1→0 is direct. A NaN or -inf on a used link stays visible,
+    # an unreachable pair is inf whatever the edges hold.
+    nh = np.array([[0, NO_ROUTE], [0, 1]])
+    for bad in (np.nan, -np.inf):
+        edge = np.array([[0.0, 5.0], [bad, 0.0]])
+        s = reduce_paths(nh, edge, "sum")
+        assert s[0, 1] == INF and s[0, 0] == 0.0
+        assert np.isnan(s[1, 0]) if np.isnan(bad) else s[1, 0] == -INF
