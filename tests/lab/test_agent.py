@@ -152,9 +152,11 @@ def test_relayed_route_carries_the_traffic(mesh: LiveMesh) -> None:
     # Every request and reply went through the relay; the other node saw none of it.
     assert after[via] - before[via] >= 2 * len(rtts)
     assert after[other] - before[other] < 5
-    # 2 x (5 + 12) or 2 x (15 + 5) ms over the relay, instead of 80 ms direct.
+    # 2 x (5 + 12) or 2 x (15 + 5) ms over the relay, instead of 80 ms direct. The
+    # fastest of 50 is the path's delay: CPU contention only ever adds to a ping (the
+    # relay's wireguard-go and the emulator are processes), so a median is the load's.
     want = {"n2": 34.0, "n3": 40.0}[via]
-    assert sorted(rtts)[len(rtts) // 2] == pytest.approx(want, abs=2.0)
+    assert min(rtts) == pytest.approx(want, abs=2.0), sorted(rtts)
 
 
 def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) -> None:
@@ -291,10 +293,14 @@ def test_agent_restart_leaves_no_duplicates_or_orphans(mesh: LiveMesh) -> None:
     lab = mesh.lab
     routes = mesh.installed("n1")
     allowed = mesh.allowed_ips("n1")
+    before = telemetry(lab, "n1")["session"]
     mesh.stop_agent("n1", kill=True)  # a crash: nothing is withdrawn
     assert mesh.installed("n1") == routes
     mesh.start_agent("n1")
-    telemetry(lab, "n1")  # up and publishing again
+    # Up and publishing again: a telemetry of the new session, not the retained one of
+    # the crashed agent (a SIGTERM before the new agent is up would find no handler).
+    restarted = wait_until(lambda: telemetry(lab, "n1")["session"] != before, 30, interval=0.5)
+    assert restarted is not None, mesh.logs()
     time.sleep(2.0)
     out = lab.run("n1", ["ip", "-j", "route", "show", "table", "7701"]).stdout
     dsts = [r["dst"] for r in json.loads(out)]

@@ -101,7 +101,8 @@ def test_bulk_table_takes_the_wide_path_with_tuned_tcp(mesh: LiveMesh) -> None:
     got = lab.run("a", ["ip", "route", "get", b, "ipproto", "tcp", "dport", "22"]).stdout
     assert "dev wg-b" in got, got
     rtts = mesh.ping("a", "b", count=10)
-    assert rtts and sorted(rtts)[len(rtts) // 2] < 15.0  # 10 ms direct, not 40 via c
+    # 10 ms direct, not 40 via c; the fastest ping is the path's (load only adds).
+    assert rtts and min(rtts) < 15.0, sorted(rtts)
 
 
 def test_bulk_traffic_flows_through_the_relay(mesh: LiveMesh) -> None:

@@ -69,8 +69,10 @@ def test_one_controller_publishes_and_routes_are_measured(mesh: LiveMesh) -> Non
     assert {rs.term for rs in sets.values()} == {lease(lab).term}
     assert all(rs.node == n for n, rs in sets.items())
     # The relayed pair is what the pings see: 2 x 17 or 2 x 20 ms instead of 80 ms.
-    rtt = mesh.median_rtt("n1", "n4", count=20)
-    assert rtt is not None and rtt < 45.0
+    # The fastest of 20 is the path's delay (a busy CPU only adds to a ping): 80 ms or
+    # more on the direct tunnel.
+    rtts = mesh.ping("n1", "n4", count=20)
+    assert rtts and min(rtts) < 45.0, sorted(rtts)
 
 
 def test_dead_agent_is_taken_out_of_the_graph(mesh: LiveMesh) -> None:

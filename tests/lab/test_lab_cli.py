@@ -33,8 +33,9 @@ def meshopt(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
     )
 
 
-def _one_line_error(proc: subprocess.CompletedProcess[str], *words: str) -> None:
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+def _one_line_error(proc: subprocess.CompletedProcess[str], *words: str, code: int = 2) -> None:
+    """One error line; exit 2 for bad input, 3 for a lab that is not running."""
+    assert proc.returncode == code, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()  # progress lines may come first
     errors = [line for line in lines if line.startswith("meshopt: error:")]
     assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr
@@ -73,7 +74,7 @@ def test_cli_up_status_exec_set_graph_down(lab_ok: None, tmp_path: Path) -> None
         _one_line_error(meshopt("lab", "set", name, "n1-zz", "delay=1ms"), "unknown node 'zz'")
         _one_line_error(meshopt("lab", "set", name, "n1-n4", "delay=fast"), "bad delay")
         _one_line_error(meshopt("lab", "exec", name, "zz", "--", "true"), "unknown node 'zz'")
-        _one_line_error(meshopt("lab", "status", "no-such-lab"), "no lab named")
+        _one_line_error(meshopt("lab", "status", "no-such-lab"), "no lab named", code=3)
         _one_line_error(
             meshopt("lab", "up", str(EXAMPLES / "lab4.yaml"), "--name", name), "already up"
         )
@@ -89,7 +90,7 @@ def test_cli_up_status_exec_set_graph_down(lab_ok: None, tmp_path: Path) -> None
         down = meshopt("lab", "down", name)
     assert down.returncode == 0, down.stderr
     assert list_netns() == before
-    _one_line_error(meshopt("lab", "down", name), "no lab named")
+    _one_line_error(meshopt("lab", "down", name), "no lab named", code=3)
 
 
 def test_down_all_cleans_up_after_a_crashed_up(lab_ok: None) -> None:
