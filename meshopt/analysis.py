@@ -66,23 +66,51 @@ class PathInfo:
         return self.direct_rtt_ms - self.rtt_ms
 
 
+class _Rows:
+    """A plan's matrices as Python lists: a pair's path is walked entry by entry, and
+    numpy's per-element indexing costs more than the walk (2,652 pairs at 52 nodes)."""
+
+    def __init__(self, p: Plan) -> None:
+        self.names = p.topo.names
+        self.next_hop: list[list[int]] = p.tables.next_hop.tolist()
+        self.rtt: list[list[float]] = p.rtt.tolist()
+        self.link_cost: list[list[float]] = p.link_cost.tolist()
+        self.cost: list[list[float]] = p.tables.cost.tolist()
+
+    def path(self, s: int, d: int) -> list[int]:
+        """``RouteTables.path``: node indices from s to d, [] if unreachable."""
+        if s == d:
+            return [s]
+        out = [s]
+        cur = s
+        n = len(self.names)
+        while cur != d:
+            cur = self.next_hop[cur][d]
+            if cur == NO_ROUTE or len(out) > n:
+                return []
+            out.append(cur)
+        return out
+
+    def path_info(self, i: int, j: int) -> PathInfo:
+        idx = self.path(i, j)
+        names = self.names
+        hops = [
+            Hop(names[x], names[y], self.rtt[x][y], self.link_cost[x][y])
+            for x, y in itertools.pairwise(idx)
+        ]
+        return PathInfo(
+            src=names[i],
+            dst=names[j],
+            hops=hops,
+            rtt_ms=sum(h.rtt_ms for h in hops) if idx else float("inf"),
+            cost_ms=self.cost[i][j],
+            direct_rtt_ms=self.rtt[i][j],
+            direct_cost_ms=self.link_cost[i][j],
+        )
+
+
 def path_info(p: Plan, a: str, b: str) -> PathInfo:
-    i, j = p.topo.index(a), p.topo.index(b)
-    idx = p.tables.path(i, j)
-    names = p.topo.names
-    hops = [
-        Hop(names[x], names[y], float(p.rtt[x, y]), float(p.link_cost[x, y]))
-        for x, y in itertools.pairwise(idx)
-    ]
-    return PathInfo(
-        src=a,
-        dst=b,
-        hops=hops,
-        rtt_ms=sum(h.rtt_ms for h in hops) if idx else float("inf"),
-        cost_ms=float(p.tables.cost[i, j]),
-        direct_rtt_ms=float(p.rtt[i, j]),
-        direct_cost_ms=float(p.link_cost[i, j]),
-    )
+    return _Rows(p).path_info(p.topo.index(a), p.topo.index(b))
 
 
 @dataclass
@@ -99,15 +127,16 @@ class RouteEntry:
 def node_routes(p: Plan, node: str) -> list[RouteEntry]:
     """The next-hop table ``node`` would install, one entry per destination."""
     s = p.topo.index(node)
-    names = p.topo.names
-    t = p.tables
+    rows = _Rows(p)
+    names = rows.names
+    backup = p.tables.backup.tolist() if p.tables.backup is not None else None
     out: list[RouteEntry] = []
     for d in range(p.topo.n):
         if d == s:
             continue
-        nh = int(t.next_hop[s, d])
-        bk = int(t.backup[s, d]) if t.backup is not None else NO_ROUTE
-        info = path_info(p, node, names[d])
+        nh = rows.next_hop[s][d]
+        bk = backup[s][d] if backup is not None else NO_ROUTE
+        info = rows.path_info(s, d)
         out.append(
             RouteEntry(
                 dst=names[d],

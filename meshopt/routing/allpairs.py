@@ -1,7 +1,9 @@
 """All-pairs lowest-cost routes: a compiled backend and a networkx reference.
 
-The backend runs scipy's Floyd–Warshall on a dense matrix (a mesh VPN is a
-full mesh or close to it, so dense is the right shape). Three tricks:
+The backend runs Floyd–Warshall on a dense matrix (a mesh VPN is a full mesh or
+close to it, so dense is the right shape): scipy's compiled one, or for meshes
+of up to ``dense.SMALL_N`` nodes a numpy one with bit-identical results that
+spares the offline commands scipy's import. Three tricks:
 
 * **Relay-hop cost.** Every edge carries ``relay_hop_ms`` extra and a path's
   cost is the sum minus one ``relay_hop_ms``: a path of k hops pays for k-1 relays.
@@ -32,12 +34,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import numpy as np
-from scipy.sparse.csgraph import floyd_warshall
 
+from meshopt.routing import dense
 from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
+
+if TYPE_CHECKING:  # the reference is for tests: offline commands must not import networkx
+    import networkx as nx
 
 TIE_EPS_MS = 1e-4
 _TIE_SEED = 0x6D657368
@@ -94,9 +99,17 @@ def shortest_paths(
     if n == 0:
         empty = np.zeros((0, 0))
         return empty, np.zeros((0, 0), dtype=np.int64), empty
-    dist_t, pred_t = floyd_warshall(
-        np.ascontiguousarray(perturbed.T), directed=True, return_predecessors=True, overwrite=True
-    )
+    if dense.small(n):
+        dist_t, pred_t = dense.floyd_warshall(perturbed.T)
+    else:
+        from scipy.sparse.csgraph import floyd_warshall
+
+        dist_t, pred_t = floyd_warshall(
+            np.ascontiguousarray(perturbed.T),
+            directed=True,
+            return_predecessors=True,
+            overwrite=True,
+        )
     # scipy marks "no predecessor" with a large negative number: clamp it to NO_ROUTE.
     nh = np.asarray(pred_t).T.astype(np.int64, order="C")
     np.maximum(nh, NO_ROUTE, out=nh)
@@ -143,6 +156,7 @@ def reference_costs(
     g: nx.DiGraph, weight: str = "cost", *, relay_hop_ms: float = 2.0
 ) -> dict[str, dict[str, float]]:
     """Plain networkx Dijkstra from every node: the reference the backend is checked against."""
+    import networkx as nx
 
     def w(_u: str, _v: str, data: dict[str, float]) -> float:
         return float(data[weight]) + relay_hop_ms
@@ -158,6 +172,8 @@ def reference_routes(
     g: nx.DiGraph, weight: str = "cost", *, relay_hop_ms: float = 2.0
 ) -> RouteTables:
     """Reference next hops and costs with networkx only (slow; for tests and benchmarks)."""
+    import networkx as nx
+
     names: list[str] = list(g.graph.get("nodes") or g.nodes)
     index = {name: i for i, name in enumerate(names)}
     n = len(names)

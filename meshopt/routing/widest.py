@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import dijkstra, floyd_warshall
 
 from meshopt.routing.allpairs import prepare_weights, without_relay_offset
 from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
@@ -128,6 +126,10 @@ def _level_next_hops(
     }
     if plan is None:
         plan = min(plans, key=lambda p: plans[p])
+    # scipy loads here, not with the module: offline ``routes`` and ``path`` never get here
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import dijkstra, floyd_warshall
+
     out = np.full((k, k), NO_ROUTE, dtype=np.int64)
     if plan == "fw":
         sub = np.where(edge, w, np.inf)

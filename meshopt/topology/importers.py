@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components, shortest_path
 
 from meshopt.errors import InputError, TopologyError
+from meshopt.routing.dense import pair_distances
 from meshopt.topology.geo import fibre_delay_ms, great_circle_km, mean_position
 from meshopt.topology.limits import Limits, TextLines, inner_path, open_text_lines, read_input
 from meshopt.topology.model import NODE_NAME, FloatMatrix, Node, Topology
@@ -292,9 +291,8 @@ def _backbone_delays(
         rows.append(index[u])
         cols.append(index[v])
         weights.append(max(float(fibre_delay_ms(km)) + hop_ms, 1e-9))  # 0 would be "no edge"
-    n = len(keep)
-    adj = coo_matrix((weights, (rows, cols)), shape=(n, n)).tocsr()
-    return np.asarray(shortest_path(adj, method="D", directed=False), dtype=np.float64)
+    ij = np.array([rows, cols], dtype=np.int64).reshape(2, -1)
+    return pair_distances(len(keep), ij[0], ij[1], np.array(weights, dtype=np.float64))[2]
 
 
 def _label(g: Any, v: Any) -> str:
@@ -553,14 +551,13 @@ def _from_pairs(pairs: _Pairs, path: Path, warnings: list[str]) -> Imported:
         raise TopologyError("no usable pairs in the file", source=source)
     ii, jj = np.array(list(pairs.rows)).T
     rtt, jit, loss = np.array(list(pairs.rows.values())).T
-    measured = coo_matrix((np.maximum(rtt / 2, 1e-9), (ii, jj)), shape=(n, n)).tocsr()
-    count, label = connected_components(measured, directed=False)
+    # numpy for small meshes (no scipy import), bit-identical to scipy's Dijkstra
+    count, label, delay = pair_distances(n, ii, jj, np.maximum(rtt / 2, 1e-9))
     keep = np.flatnonzero(label == np.bincount(label).argmax())
     if count > 1:
         warnings.append(f"kept the largest connected part: {len(keep)} of {n} nodes")
     if len(keep) < 2:
         raise TopologyError("fewer than 2 connected nodes", source=source)
-    delay = np.asarray(shortest_path(measured, method="D", directed=False), dtype=np.float64)
     tunnels = np.zeros((n, n), dtype=bool)
     jitter, lossm = np.zeros((n, n)), np.zeros((n, n))
     for m, vals in ((delay, rtt / 2), (jitter, jit / math.sqrt(2)), (lossm, 1 - np.sqrt(1 - loss))):

@@ -19,7 +19,6 @@ from meshopt.topology.generators import GENERATORS, generate
 from meshopt.topology.importers import HOP_MS, Imported, import_graph, import_rtt_csv
 from meshopt.topology.limits import Limits, compression, inner_path
 from meshopt.topology.model import Topology
-from meshopt.topology.yamlfile import load_yaml, save_yaml
 from meshopt.units import parse_time_ms
 
 log = logging.getLogger(__name__)
@@ -84,6 +83,8 @@ def _load(spec: str, seed: int | None, warnings: list[str] | None, limits: Limit
     if kind == "yaml":
         if options:
             raise TopologyError("YAML files take no ?options", source=str(path))
+        from meshopt.topology.yamlfile import load_yaml  # PyYAML only for YAML files
+
         return load_yaml(path, limits)
     imported = _import(kind, path, options, limits)
     for message in imported.warnings:
@@ -97,6 +98,8 @@ def save_topology(topo: Topology, path: str | Path) -> None:
     """Write YAML that ``load_topology`` reads back to the same topology."""
     if Path(path).suffix.lower() not in (".yaml", ".yml"):
         raise TopologyError("topologies are saved as YAML: use a .yaml name", source=str(path))
+    from meshopt.topology.yamlfile import save_yaml
+
     save_yaml(topo, path)
 
 

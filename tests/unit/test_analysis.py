@@ -14,6 +14,7 @@ import pytest
 from meshopt.analysis import Plan, node_routes, path_info, plan, relay_gains
 from meshopt.metric import Metric
 from meshopt.topology.load import load_topology
+from meshopt.topology.model import Node, Topology
 
 TOPOLOGIES = Path(__file__).parents[2] / "topologies"
 RIPE = Path(__file__).parents[2] / ".." / "shared" / "data" / "ripe-atlas-country-rtt.csv.gz"
@@ -185,3 +186,41 @@ def test_ripe_with_the_default_metric_relays_only_when_it_pays() -> None:
     g = relay_gains(p)
     assert g.improved > 0.5 * np.triu(relayed | relayed.T, 1).sum()
     assert g.pairs == n * (n - 1) // 2
+
+
+# --- the entry-by-entry walk against the tables ------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_route_entries_say_what_the_tables_say(seed: int) -> None:
+    """node_routes and path_info walk plain lists for speed: every entry, unreachable ones
+    and sparse tunnels included, must match the RouteTables it came from."""
+    rng = np.random.default_rng(seed)
+    n = 30
+    delay = rng.uniform(1.0, 60.0, (n, n))
+    delay = (delay + delay.T) / 2
+    tunnels = np.triu(rng.random((n, n)) < 0.25, 1)
+    tunnels = tunnels | tunnels.T
+    tunnels[n - 2 :, :] = tunnels[:, n - 2 :] = False  # an island: unreachable pairs
+    tunnels[n - 2, n - 1] = tunnels[n - 1, n - 2] = True
+    nodes = [Node(f"n{i}") for i in range(n)]
+    p = plan(Topology.from_matrices("t", nodes, delay, source="test", tunnels=tunnels))
+    t = p.tables
+    assert t.backup is not None
+    unreachable = 0
+    for s, name in enumerate(p.topo.names):
+        for e in node_routes(p, name):
+            d = p.topo.index(e.dst)
+            idx = t.path(s, d)
+            assert e.path == ([p.topo.names[i] for i in idx] if idx else [name])
+            nh, bk = int(t.next_hop[s, d]), int(t.backup[s, d])
+            assert e.next_hop == (None if nh < 0 else p.topo.names[nh])
+            assert e.backup == (None if bk < 0 else p.topo.names[bk])
+            rtt = [float(p.rtt[x, y]) for x, y in itertools.pairwise(idx)]
+            assert e.rtt_ms == (sum(rtt) if idx else float("inf"))
+            assert (e.cost_ms, e.direct_rtt_ms) == (float(t.cost[s, d]), float(p.rtt[s, d]))
+            info = path_info(p, name, e.dst)
+            assert [h.dst for h in info.hops] == e.path[1:]
+            assert info.direct_cost_ms == float(p.link_cost[s, d])
+            unreachable += not idx
+    assert unreachable == 2 * 2 * (n - 2)

@@ -323,8 +323,8 @@ def test_bash_completion_script_and_answers() -> None:
             "pip install 'meshopt-wg[controller]'",
         ),
         (
-            "networkx",
-            ["path", TRIANGLE, "a", "b"],
+            "scipy",  # more nodes than the numpy path takes
+            ["path", "gen:geo:n=150,seed=1", "ash1", "tyo1"],
             "meshopt: error: 'meshopt path' needs the controller extra: "
             "pip install 'meshopt-wg[controller]'",
         ),
@@ -344,6 +344,43 @@ def test_missing_extra_is_one_line(blocked: str, argv: list[str], line: str) -> 
     )
     proc = run(sys.executable, "-c", code)
     assert (proc.returncode, proc.stderr, proc.stdout) == (2, line + "\n", "")
+
+
+TINY_GRAPHML = """<?xml version="1.0" encoding="UTF-8"?>
+<graphml xmlns="http://graphml.graphdrawing.org/xmlns">
+  <key id="lat" for="node" attr.name="Latitude" attr.type="double"/>
+  <key id="lon" for="node" attr.name="Longitude" attr.type="double"/>
+  <key id="lbl" for="node" attr.name="label" attr.type="string"/>
+  <graph edgedefault="undirected">
+    <node id="n0">
+      <data key="lbl">fra</data><data key="lat">50.1</data><data key="lon">8.7</data>
+    </node>
+    <node id="n1">
+      <data key="lbl">ams</data><data key="lat">52.4</data><data key="lon">4.9</data>
+    </node>
+    <node id="n2">
+      <data key="lbl">par</data><data key="lat">48.9</data><data key="lon">2.35</data>
+    </node>
+    <edge source="n0" target="n1"/><edge source="n1" target="n2"/>
+  </graph>
+</graphml>
+"""
+
+
+def test_graphml_without_networkx_is_one_line(tmp_path: Path) -> None:
+    """Small meshes route without networkx; reading GraphML still needs it."""
+    f = tmp_path / "tiny.graphml"
+    f.write_text(TINY_GRAPHML)
+    code = (
+        "import sys\nsys.modules['networkx'] = None\nfrom meshopt.cli.main import main\n"
+        f"sys.exit(main(['path', {str(f)!r}, 'fra', 'par']))"
+    )
+    proc = run(sys.executable, "-c", code)
+    line = (
+        "meshopt: error: 'meshopt path' needs the controller extra: "
+        "pip install 'meshopt-wg[controller]'\n"
+    )
+    assert (proc.returncode, proc.stderr, proc.stdout) == (2, line, "")
 
 
 def test_help_still_works_without_the_extras() -> None:
