@@ -1,0 +1,944 @@
+"""A load generator for the scale benchmark: N synthetic agents against the real parts.
+
+Why: meshopt is measured at 6-16 nodes in the lab; what a 250- or 1000-node mesh costs
+the controller and the broker is not. This runs a real mosquitto (the files ``meshopt
+broker init`` writes: TLS listener, password file, ACL, and its plain unix socket), the
+real controller process (``meshopt controller --config``, every synthetic node enrolled
+in ``[node_keys]``), and N synthetic agents in this process (asyncio), each with its own
+MQTT session (:class:`meshopt.bus.client.BusClient`, its will included), speaking the
+real protocol through the agent's own code: :class:`meshopt.agent.core.AgentCore` signs
+the telemetry and status (built by meshopt.agent.telemetry) and verifies the route sets
+exactly as an agent does before installing them.
+
+Values come from a generated geographic mesh (``gen:geo:n=N,seed=S``): every agent
+reports every other node as a peer with that pair's RTT, jitter and loss plus noise,
+in full snapshots every 5 s (the agent's default ``full_interval_s``, retained as the
+agent does) and change reports (``full=False``, all peers, as the agent sends them)
+when an injected change moves a link. Only the probing itself is left out: the values
+it would measure are synthesised.
+
+Injected changes, timed end to end (from the publish of the change's telemetry to the
+signed route sets arriving at the subscribers of the nodes whose routes changed):
+
+* ``degrade``: the direct link that carries the most routes gets a much higher RTT,
+  reported by both ends;
+* ``death``: a node stops (its offline status, the will, is published on the way out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import base64
+import contextlib
+import hashlib
+import math
+import os
+import random
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from meshopt.agent.core import AgentCore, RouteState
+from meshopt.bus.client import BrokerSettings, BusClient
+from meshopt.bus.messages import MAX_PAYLOAD_BYTES, PeerReport, RouteSet
+from meshopt.bus.signing import SigningKey, public_key_b64
+from meshopt.bus.topics import Topics
+from meshopt.errors import MeshoptError
+
+MESH: Final = "bench"
+CONTROLLER_ID: Final = "ctl1"
+FULL_INTERVAL_S: Final = 5.0  # the agent's default telemetry.full_interval_s
+Profile = Literal["agent", "lean"]
+Transport = Literal["unix", "tls"]
+
+
+class BenchError(MeshoptError):
+    """The benchmark could not run (a part did not start, bad arguments)."""
+
+
+# --- the mesh ------------------------------------------------------------------------------
+
+
+def _seed(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+@dataclass(frozen=True)
+class SyntheticNode:
+    name: str
+    index: int
+    identity_seed: bytes  # Ed25519 seed of the node's identity (signs telemetry)
+    wg_key: str  # its WireGuard public key (base64; random bytes, never used for WireGuard)
+    address: str  # overlay prefix it claims
+
+    @property
+    def identity(self) -> SigningKey:
+        return SigningKey(self.identity_seed)
+
+
+class SyntheticMesh:
+    """N nodes with a geographic RTT/jitter/loss matrix and deterministic keys."""
+
+    def __init__(self, n: int, seed: int = 1) -> None:
+        from meshopt.topology.generators import generate
+
+        if not 2 <= n <= 5000:
+            raise BenchError(f"nodes: want 2..5000, got {n}")
+        topo = generate(f"gen:geo:n={n},seed={seed}")
+        self.n = n
+        self.seed = seed
+        self.rtt_ms = topo.rtt_ms()
+        self.jitter_ms = topo.jitter_ms
+        self.loss = topo.loss
+        self.nodes = [
+            SyntheticNode(
+                name=f"n{i:04d}",
+                index=i,
+                identity_seed=_seed(f"meshopt-bench-identity-{seed}-{i}"),
+                wg_key=base64.b64encode(_seed(f"meshopt-bench-wg-{seed}-{i}")).decode(),
+                address=f"10.{64 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}/32",
+            )
+            for i in range(n)
+        ]
+
+    @property
+    def names(self) -> list[str]:
+        return [x.name for x in self.nodes]
+
+    def node_keys_toml(self) -> str:
+        """The controller's ``[node_keys]``: every node's identity key, pinned to its
+        WireGuard key and address (as an operator enrols them)."""
+        lines = ["[node_keys]"]
+        for x in self.nodes:
+            pub = public_key_b64(x.identity)
+            lines.append(
+                f'{x.name} = {{ key = "{pub}", wireguard = ["{x.wg_key}"],'
+                f' addresses = ["{x.address}"] }}'
+            )
+        return "\n".join(lines) + "\n"
+
+    def reports(
+        self,
+        i: int,
+        rng: random.Random,
+        *,
+        profile: Profile = "agent",
+        factor: dict[int, float] | None = None,
+        sent: int = 0,
+    ) -> list[PeerReport]:
+        """Node ``i``'s report of every peer: the mesh's values plus noise (about 1 % on
+        the smoothed RTT). ``factor`` multiplies the RTT towards some peers (+100 ms),
+        for a degraded link. ``profile="agent"`` fills what a real agent fills;
+        ``"lean"`` only what routing reads (RTT, jitter, noise, loss, samples, alive)."""
+        out: list[PeerReport] = []
+        factor = factor or {}
+        row_rtt = self.rtt_ms[i]
+        row_jit = self.jitter_ms[i]
+        row_loss = self.loss[i]
+        for j, peer in enumerate(self.nodes):
+            if j == i:
+                continue
+            base = float(row_rtt[j])
+            f = factor.get(j)
+            if f is not None:
+                base = base * f + 100.0
+            jit = float(row_jit[j])
+            rtt = round(base * rng.gauss(1.0, 0.01) + jit * 0.5, 3)
+            loss = float(row_loss[j])
+            if profile == "lean":
+                out.append(
+                    PeerReport(
+                        public_key=peer.wg_key,
+                        ifname="wg0",
+                        alive=True,
+                        rtt_ms=rtt,
+                        jitter_ms=round(jit, 3),
+                        noise_ms=round(0.01 * base + 0.05, 3),
+                        loss=round(loss, 4),
+                        samples=64,
+                    )
+                )
+                continue
+            out.append(
+                PeerReport(
+                    public_key=peer.wg_key,
+                    ifname="wg0",
+                    endpoint=f"198.18.{(j >> 8) & 255}.{j & 255}:51820",
+                    alive=True,
+                    rtt_ms=rtt,
+                    rtt_min_ms=round(base, 3),
+                    rtt_median_ms=round(base + jit * 0.5, 3),
+                    rtt_p95_ms=round(base + jit * 2.0, 3),
+                    jitter_ms=round(jit, 3),
+                    noise_ms=round(0.01 * base + 0.05, 3),
+                    loss=round(loss, 4),
+                    samples=64,
+                    probes_sent=sent,
+                    handshake_age_s=float(rng.randint(1, 120)),
+                    rx_bytes=sent * 64,
+                    tx_bytes=sent * 64,
+                    rx_bps=round(rng.uniform(100.0, 400.0), 1),
+                    tx_bps=round(rng.uniform(100.0, 400.0), 1),
+                )
+            )
+        return out
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+def raise_nofile(want: int = 65536) -> int:
+    """Raise the soft RLIMIT_NOFILE (children inherit it): 1000 sessions need 1000+ fds
+    here and in mosquitto. Returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft < target:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` has used, from /proc/<pid>/stat."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+
+
+def proc_rss_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) of ``pid`` in MB."""
+    rss = hwm = 0.0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) / 1024
+        elif line.startswith("VmHWM:"):
+            hwm = int(line.split()[1]) / 1024
+    return rss, hwm
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_LIVE: set[Stack] = set()
+
+
+def close_all() -> None:
+    """Stop every stack still running (atexit, SIGTERM): nothing outlives the benchmark."""
+    for stack in list(_LIVE):
+        stack.close()
+
+
+atexit.register(close_all)
+
+
+class Stack:
+    """A secured mosquitto and the real controller, in a temporary directory; both are
+    stopped by their PIDs and the directory removed on :meth:`close` (also on error)."""
+
+    def __init__(
+        self, mesh: SyntheticMesh, *, python: str = sys.executable, extra: str = ""
+    ) -> None:
+        """``extra``: more ``[controller]`` lines (e.g. ``lease_s = 30.0``)."""
+        self.mesh = mesh
+        self.extra = extra
+        self.python = python
+        self.dir = Path(tempfile.mkdtemp(prefix="meshopt-scale-"))
+        self.port = free_port()
+        self.sock = self.dir / "mqtt.sock"
+        self.pki = self.dir / "pki"
+        self.broker: subprocess.Popen[bytes] | None = None
+        self.controller: subprocess.Popen[bytes] | None = None
+        self.controller_key = ""
+        self._closed = False
+
+    def __enter__(self) -> Stack:
+        _LIVE.add(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        from meshopt.broker.mosquitto import BrokerRequest, make_identities, write_broker_dir
+        from meshopt.bus.signing import generate_signing_key, save_private_key
+
+        if shutil.which("mosquitto") is None:
+            raise BenchError("mosquitto is not installed (scripts/bootstrap.sh installs it)")
+        req = BrokerRequest(
+            mesh=MESH,
+            identities=tuple(make_identities(self.mesh.names, [CONTROLLER_ID])),
+            hosts=("127.0.0.1",),
+            port=self.port,
+            install_dir="",
+            client_dir="",
+            bind_address="127.0.0.1",
+            unix_socket=str(self.sock),
+            persistence_dir="",
+            run_as=os.environ.get("USER") or "root",
+            log_dest="stderr",
+        )
+        write_broker_dir(req, self.pki)
+        log = (self.dir / "mosquitto.log").open("ab")
+        self.broker = subprocess.Popen(
+            ["mosquitto", "-c", str(self.pki / "broker" / "mosquitto.conf")],
+            stdout=log,
+            stderr=log,
+        )
+        log.close()
+        self._wait_broker(timeout_s)
+        key, self.controller_key = generate_signing_key()
+        save_private_key(self.dir / "controller.key", key)
+        conf = self.dir / "controller.toml"
+        broker_toml = (self.pki / "clients" / CONTROLLER_ID / "broker.toml").read_text()
+        conf.write_text(
+            "[controller]\n"
+            f'mesh = "{MESH}"\nid = "{CONTROLLER_ID}"\n'
+            f'signing_key = "{self.dir / "controller.key"}"\n'
+            + self.extra
+            + "\n"
+            + broker_toml
+            + '\n[metrics]\nlisten = ""\n\n'
+            + self.mesh.node_keys_toml()
+        )
+        clog = (self.dir / "controller.log").open("ab")
+        self.controller = subprocess.Popen(
+            [
+                self.python,
+                "-c",
+                "from meshopt.cli.main import main; main()",
+                *("controller", "--config", str(conf)),
+            ],
+            stdout=clog,
+            stderr=clog,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        clog.close()
+
+    def _wait_broker(self, timeout_s: float) -> None:
+        assert self.broker is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.broker.poll() is not None:
+                raise BenchError(f"mosquitto exited: {self.log_tail('mosquitto.log')}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                if self.sock.exists():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise BenchError(f"mosquitto not listening on 127.0.0.1:{self.port} after {timeout_s} s")
+
+    def log_tail(self, name: str, n: int = 400) -> str:
+        try:
+            return (self.dir / name).read_text(errors="replace")[-n:].replace("\n", " | ")
+        except OSError:
+            return ""
+
+    def check_alive(self) -> None:
+        for what, p, log in (
+            ("controller", self.controller, "controller.log"),
+            ("mosquitto", self.broker, "mosquitto.log"),
+        ):
+            if p is not None and p.poll() is not None:
+                raise BenchError(f"{what} exited ({p.returncode}): {self.log_tail(log)}")
+
+    def settings(self, node: str, transport: Transport) -> BrokerSettings:
+        d = self.pki / "clients" / node
+        if transport == "unix":
+            return BrokerSettings(
+                url=f"unix://{self.sock}", username=node, password_file=str(d / "password")
+            )
+        return BrokerSettings(
+            url=f"mqtts://127.0.0.1:{self.port}",
+            ca_file=str(d / "ca.crt"),
+            cert_file=str(d / "client.crt"),
+            key_file=str(d / "client.key"),
+            username=node,
+            password_file=str(d / "password"),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        for p in (self.controller, self.broker):
+            if p is None or p.poll() is not None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+                p.wait(5)
+        if os.environ.get("MESHOPT_BENCH_KEEP"):
+            print(f"kept {self.dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- agents --------------------------------------------------------------------------------
+
+
+@dataclass
+class Arrival:
+    at: float  # monotonic, when the handler got it
+    size: int
+    accepted: bool
+    version: int
+
+
+@dataclass
+class SyntheticAgent:
+    """One node: its own MQTT session, signed telemetry and status, verified route sets."""
+
+    mesh: SyntheticMesh
+    index: int
+    settings: BrokerSettings
+    controller_key: str
+    profile: Profile = "agent"
+    rng: random.Random = field(default_factory=random.Random)
+    factor: dict[int, float] = field(default_factory=dict)
+    bytes_up: int = 0
+    messages_up: int = 0
+    bytes_down: int = 0
+    snapshots: int = 0
+    arrivals: list[Arrival] = field(default_factory=list)
+    # An injected change's test: (since, predicate on the route set); ``fixed_at`` is
+    # when the first route set arriving after ``since`` passed it.
+    watch: tuple[float, Callable[[RouteSet], bool]] | None = None
+    fixed_at: float | None = None
+    build_s: float = 0.0  # CPU time building and signing telemetry
+    full_interval_s: float = FULL_INTERVAL_S
+
+    def __post_init__(self) -> None:
+        node = self.mesh.nodes[self.index]
+        self.node = node
+        self.topics = Topics(MESH)
+        self.core = AgentCore(
+            MESH, node.name, node.identity, [self.controller_key], RouteState(), time.time()
+        )
+        self.bus = BusClient(
+            self.settings,
+            client_id=f"meshopt-bench-{node.name}",
+            will=lambda: self.core.new_session(time.time()),
+            subscriptions=[self.topics.routes(node.name)],
+            on_connect=self._on_connect,
+            backoff_min_s=0.5,
+            backoff_max_s=5.0,
+        )
+        self.task: asyncio.Task[None] | None = None
+        self.snap_task: asyncio.Task[None] | None = None
+
+    async def _publish(self, topic: str, payload: bytes, *, qos: int, retain: bool) -> bool:
+        ok = await self.bus.publish(topic, payload, qos=qos, retain=retain)
+        if ok:
+            self.bytes_up += len(payload) + len(topic)
+            self.messages_up += 1
+        return ok
+
+    async def _on_connect(self) -> None:
+        status = self.core.online(time.time())
+        await self._publish(self.topics.status(self.node.name), status, qos=1, retain=True)
+        await self.telemetry(full=True)
+
+    async def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
+        at = time.monotonic()
+        self.bytes_down += len(payload) + len(topic)
+        accepted = self.core.on_route_set(payload, time.time())
+        version = accepted.route_set.version if accepted is not None else -1
+        self.arrivals.append(Arrival(at, len(payload), accepted is not None, version))
+        if accepted is not None and self.watch is not None and self.fixed_at is None:
+            since, test = self.watch
+            if at >= since and test(accepted.route_set):
+                self.fixed_at = at
+
+    def expect(self, since: float, test: Callable[[RouteSet], bool]) -> None:
+        """Time the first route set from ``since`` on that passes ``test``."""
+        self.watch, self.fixed_at = (since, test), None
+
+    async def telemetry(self, *, full: bool) -> bool:
+        """Build, sign and publish one report (full snapshots retained, as the agent does)."""
+        t0 = time.process_time()
+        self.snapshots += 1
+        peers = self.mesh.reports(
+            self.index, self.rng, profile=self.profile, factor=self.factor, sent=self.snapshots
+        )
+        msg = self.core.telemetry(
+            time.time(),
+            public_keys=[self.node.wg_key],
+            addresses=[self.node.address],
+            full=full,
+            peers=peers,
+            counters={},
+        )
+        self.build_s += time.process_time() - t0
+        return await self._publish(self.topics.telemetry(self.node.name), msg, qos=0, retain=full)
+
+    async def _snapshots(self) -> None:
+        await asyncio.sleep(self.rng.uniform(0.0, self.full_interval_s))
+        while True:
+            start = time.monotonic()
+            if self.bus.connected:
+                await self.telemetry(full=True)
+            await asyncio.sleep(max(0.0, self.full_interval_s - (time.monotonic() - start)))
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.bus.run(self._on_message))
+        self.snap_task = asyncio.create_task(self._snapshots())
+
+    async def stop(self) -> None:
+        """A clean stop: BusClient publishes the will (offline status) and disconnects."""
+        for t in (self.snap_task, self.task):
+            if t is not None and not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    @property
+    def has_routes(self) -> bool:
+        return self.core.route_set is not None
+
+    def accepted_after(self, t0: float) -> Arrival | None:
+        for a in self.arrivals:
+            if a.at >= t0 and a.accepted:
+                return a
+        return None
+
+
+# --- one run -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    nodes: int
+    seed: int = 1
+    profile: Profile = "agent"
+    transport: Transport = "unix"
+    steady_s: float = 20.0
+    routes_timeout_s: float = 120.0
+    change_window_s: float = 20.0  # longest wait for route sets after a change
+    quiet_s: float = 3.0  # a change's fan-out is over after this long without a route set
+    connect_batch: int = 50
+    lease_s: float | None = None  # the controller's lease_s; None: its default (3 s)
+    # Snapshot cadence; anything but the agent's 5 s also sets the controller's
+    # stale_after_s to 3x it (its default is 15 s for 5 s snapshots).
+    full_interval_s: float = FULL_INTERVAL_S
+
+
+def progress(text: str) -> None:
+    """One line on stderr per phase (runs take minutes; stdout is the JSON)."""
+    print(f"#   {time.strftime('%H:%M:%S')} {text}", file=sys.stderr, flush=True)
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q * len(s)) - 1))
+    return s[k]
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+class _Sampler:
+    """CPU of the controller, the broker and this process over a window."""
+
+    def __init__(self, stack: Stack) -> None:
+        assert stack.controller is not None and stack.broker is not None
+        self.pids = {"controller": stack.controller.pid, "broker": stack.broker.pid}
+        self.start()
+
+    def start(self) -> None:
+        self.t = time.monotonic()
+        self.cpu = {k: proc_cpu_s(p) for k, p in self.pids.items()}
+        self.own = time.process_time()
+
+    def shares(self) -> dict[str, float]:
+        dt = max(time.monotonic() - self.t, 1e-9)
+        out = {
+            f"{k}_cpu_pct": 100 * (proc_cpu_s(p) - self.cpu[k]) / dt for k, p in self.pids.items()
+        }
+        out["generator_cpu_pct"] = 100 * (time.process_time() - self.own) / dt
+        return {k: round(v, 2) for k, v in out.items()}
+
+
+async def _loop_lag(samples: list[float], stop: asyncio.Event) -> None:
+    """How late this event loop wakes (a loaded generator delays arrivals it times)."""
+    while not stop.is_set():
+        t = time.monotonic()
+        await asyncio.sleep(0.1)
+        samples.append(max(0.0, time.monotonic() - t - 0.1))
+
+
+async def _fan_out(
+    agents: Sequence[SyntheticAgent], t0: float, s: RunSettings, skip: int | None = None
+) -> dict[str, Any]:
+    """Wait until route sets stop arriving after ``t0``; latency per node that got one."""
+    deadline = t0 + s.change_window_s
+    last_count = -1
+    last_change = time.monotonic()
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        count = sum(1 for a in agents if a.index != skip and a.accepted_after(t0) is not None)
+        pending = any(a.watch is not None and a.fixed_at is None for a in agents)
+        if count != last_count:
+            last_count, last_change = count, time.monotonic()
+        elif count and not pending and time.monotonic() - last_change >= s.quiet_s:
+            break
+    lat = []
+    sizes = []
+    for a in agents:
+        if a.index == skip:
+            continue
+        got = a.accepted_after(t0)
+        if got is not None:
+            lat.append(got.at - t0)
+            sizes.append(got.size)
+    fixed = [a.fixed_at - t0 for a in agents if a.watch is not None and a.fixed_at is not None]
+    watched = sum(1 for a in agents if a.watch is not None and a.index != skip)
+    return {
+        "affected_nodes": watched,
+        "affected_fixed": len(fixed),
+        "affected_latency_median_s": _r(statistics.median(fixed) if fixed else None),
+        "affected_latency_p95_s": _r(_pct(fixed, 0.95)),
+        "affected_latency_max_s": _r(max(fixed) if fixed else None),
+        "nodes_updated": len(lat),
+        "latency_median_s": _r(statistics.median(lat) if lat else None),
+        "latency_p95_s": _r(_pct(lat, 0.95)),
+        "latency_max_s": _r(max(lat) if lat else None),
+        "latency_first_s": _r(min(lat) if lat else None),
+        "route_set_bytes_median": int(statistics.median(sizes)) if sizes else None,
+    }
+
+
+def _not_direct(dst: SyntheticNode) -> Callable[[RouteSet], bool]:
+    """A route set whose fast route to ``dst`` no longer takes the direct tunnel."""
+
+    def test(rs: RouteSet) -> bool:
+        return not any(
+            r.table == "fast" and r.dst == dst.address and r.via == dst.wg_key for r in rs.routes
+        )
+
+    return test
+
+
+def _avoids(dead: SyntheticNode) -> Callable[[RouteSet], bool]:
+    """A route set that relays nothing through ``dead`` (its own address aside)."""
+
+    def test(rs: RouteSet) -> bool:
+        return not any(r.via == dead.wg_key and r.dst != dead.address for r in rs.routes)
+
+    return test
+
+
+def _busiest_direct_link(
+    agents: Sequence[SyntheticAgent],
+) -> tuple[int, int] | None:
+    """(a, b): a direct link a->b that a's route set uses for b itself and the most
+    other destinations (so degrading it must move routes)."""
+    by_key = {a.node.wg_key: a.index for a in agents}
+    by_addr = {a.node.address: a.index for a in agents}
+    best: tuple[int, int, int] | None = None
+    for a in agents:
+        rs = a.core.route_set
+        if rs is None:
+            continue
+        counts: dict[int, int] = {}
+        direct: set[int] = set()
+        for r in rs.routes:
+            if r.table != "fast":
+                continue
+            via = by_key.get(r.via)
+            if via is None:
+                continue
+            counts[via] = counts.get(via, 0) + 1
+            if by_addr.get(r.dst) == via:
+                direct.add(via)
+        for b in direct:
+            if best is None or counts[b] > best[0]:
+                best = (counts[b], a.index, b)
+    return None if best is None else (best[1], best[2])
+
+
+async def _stop_all(agents: Sequence[SyntheticAgent], timeout_s: float = 10.0) -> None:
+    """Stop every agent, but wait at most ``timeout_s``: the broker goes next anyway."""
+    tasks = [t for a in agents for t in (a.snap_task, a.task) if t is not None and not t.done()]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
+
+
+async def run_once(s: RunSettings) -> dict[str, Any]:
+    """One full run: start the stack and the agents, wait for routes, a steady window,
+    a degraded link, a dead node; the figures as a JSON-able dict."""
+    nofile = raise_nofile()
+    mesh = SyntheticMesh(s.nodes, s.seed)
+    t_setup = time.monotonic()
+    extra = f"lease_s = {s.lease_s}\n" if s.lease_s is not None else ""
+    if s.full_interval_s != FULL_INTERVAL_S:
+        extra += f"stale_after_s = {3 * s.full_interval_s}\n"
+    with Stack(mesh, extra=extra) as stack:
+        stack.start()
+        setup_s = time.monotonic() - t_setup
+        agents = [
+            SyntheticAgent(
+                mesh,
+                i,
+                stack.settings(x.name, s.transport),
+                stack.controller_key,
+                s.profile,
+                random.Random(s.seed * 100_003 + i),
+                full_interval_s=s.full_interval_s,
+            )
+            for i, x in enumerate(mesh.nodes)
+        ]
+        lags: list[float] = []
+        stop = asyncio.Event()
+        lag_task = asyncio.create_task(_loop_lag(lags, stop))
+        try:
+            return await _run(stack, agents, s, lags, setup_s, nofile)
+        finally:
+            stop.set()
+            await _stop_all(agents)
+            lag_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag_task
+
+
+async def _run(
+    stack: Stack,
+    agents: list[SyntheticAgent],
+    s: RunSettings,
+    lags: list[float],
+    setup_s: float,
+    nofile: int,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "nodes": s.nodes,
+        "profile": s.profile,
+        "agent_transport": s.transport,
+        "controller_lease_s": s.lease_s,
+        "full_interval_s": s.full_interval_s,
+        "setup_s": round(setup_s, 2),
+        "rlimit_nofile": nofile,
+        "pids": {
+            "controller": stack.controller.pid if stack.controller else None,
+            "broker": stack.broker.pid if stack.broker else None,
+        },
+    }
+    t_start = time.monotonic()
+    for k in range(0, len(agents), s.connect_batch):
+        batch = agents[k : k + s.connect_batch]
+        for a in batch:
+            a.start()
+        await asyncio.gather(*(a.bus.wait_connected(30.0) for a in batch))
+        stack.check_alive()
+    out["connected"] = sum(a.bus.connected for a in agents)
+    progress(f"{out['connected']}/{len(agents)} agents connected")
+    out["connect_s"] = round(time.monotonic() - t_start, 2)
+
+    # First routes: every node has a verified route set (or the time runs out).
+    deadline = time.monotonic() + s.routes_timeout_s
+    while time.monotonic() < deadline and not all(a.has_routes for a in agents):
+        await asyncio.sleep(0.2)
+        stack.check_alive()
+    with_routes = sum(a.has_routes for a in agents)
+    out["nodes_with_routes"] = with_routes
+    out["first_routes_s"] = round(time.monotonic() - t_start, 2) if with_routes else None
+    out["agent_refused"] = _merge([a.core.counters.snapshot() for a in agents])
+    progress(f"{with_routes}/{len(agents)} nodes hold route sets")
+
+    # Steady window: no injected change, snapshots every 5 s.
+    await asyncio.sleep(2.0)
+    sampler = _Sampler(stack)
+    up0 = sum(a.bytes_up for a in agents)
+    down0 = sum(a.bytes_down for a in agents)
+    msgs0 = sum(a.messages_up for a in agents)
+    sets0 = sum(len(a.arrivals) for a in agents)
+    lag0 = len(lags)
+    await asyncio.sleep(s.steady_s)
+    stack.check_alive()
+    dt = s.steady_s
+    steady: dict[str, Any] = dict(sampler.shares())
+    n = len(agents)
+    steady["agent_up_bytes_per_s"] = round((sum(a.bytes_up for a in agents) - up0) / dt / n, 1)
+    steady["agent_down_bytes_per_s"] = round(
+        (sum(a.bytes_down for a in agents) - down0) / dt / n, 1
+    )
+    steady["route_sets_per_s"] = round((sum(len(a.arrivals) for a in agents) - sets0) / dt, 2)
+    steady["telemetry_msgs_per_s"] = round((sum(a.messages_up for a in agents) - msgs0) / dt, 1)
+    ctl_pid = stack.controller.pid if stack.controller else 0
+    rss, hwm = proc_rss_mb(ctl_pid)
+    steady["controller_rss_mb"] = round(rss, 1)
+    steady["controller_rss_peak_mb"] = round(hwm, 1)
+    b_rss, _ = proc_rss_mb(stack.broker.pid if stack.broker else 0)
+    steady["broker_rss_mb"] = round(b_rss, 1)
+    window = lags[lag0:]
+    steady["generator_loop_lag_p95_s"] = _r(_pct(window, 0.95))
+    out["steady"] = steady
+    sizes = [a.core.route_set for a in agents if a.core.route_set is not None]
+    last_sizes = [a.arrivals[-1].size for a in agents if a.arrivals and a.arrivals[-1].accepted]
+    out["route_set_bytes_median"] = int(statistics.median(last_sizes)) if last_sizes else None
+    out["route_set_bytes_max"] = max(last_sizes) if last_sizes else None
+    out["routes_per_set_median"] = (
+        int(statistics.median(len(rs.routes) for rs in sizes)) if sizes else None
+    )
+    out["telemetry_snapshot_bytes"] = _snapshot_bytes(agents[0])
+    out["max_payload_bytes"] = MAX_PAYLOAD_BYTES
+
+    # A link degrades: both ends report it at once (change reports, all peers).
+    progress("steady window done; degrading a link")
+    link = _busiest_direct_link(agents) if with_routes else None
+    if link is None:
+        out["degrade"] = {"skipped": "no node has a route set to pick a link from"}
+    else:
+        ia, ib = link
+        agents[ia].factor[ib] = 10.0
+        agents[ib].factor[ia] = 10.0
+        t0 = time.monotonic()
+        for x, y in ((ia, ib), (ib, ia)):
+            agents[x].expect(t0, _not_direct(agents[y].node))
+        await asyncio.gather(agents[ia].telemetry(full=False), agents[ib].telemetry(full=False))
+        res = await _fan_out(agents, t0, s)
+        out["degrade"] = {"link": [agents[ia].node.name, agents[ib].node.name], **res}
+        for ag in agents:
+            ag.watch = None
+    stack.check_alive()
+
+    # A node dies: its offline status (the will) goes out as it leaves.
+    progress("killing a node")
+    if with_routes:
+        victim = link[1] if link is not None else 0
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        dead = agents[victim].node
+        for ag in agents:
+            rs = ag.core.route_set
+            if ag.index != victim and rs is not None and not _avoids(dead)(rs):
+                ag.expect(t0, _avoids(dead))
+        await agents[victim].stop()
+        res = await _fan_out(agents, t0, s, skip=victim)
+        out["death"] = {"node": agents[victim].node.name, **res}
+    else:
+        out["death"] = {"skipped": "no routes"}
+    stack.check_alive()
+    out["generator_loop_lag_p95_s"] = _r(_pct(lags, 0.95))
+    out["generator_loop_lag_max_s"] = _r(max(lags) if lags else None)
+    out["agent_refused"] = _merge([a.core.counters.snapshot() for a in agents])
+    out["controller_log_tail"] = _controller_problems(stack)
+    out["broker_keepalive_timeouts"] = _timeouts(stack)
+    progress("run done; stopping")
+    return out
+
+
+def _timeouts(stack: Stack) -> dict[str, int]:
+    """Clients the broker disconnected for silence longer than 1.5 x keepalive (a
+    blocked event loop): the controller's and the agents'."""
+    out = {"controller": 0, "agents": 0}
+    try:
+        text = (stack.dir / "mosquitto.log").read_text(errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if "exceeded timeout" in line:
+            out["controller" if "meshopt-controller" in line else "agents"] += 1
+    return out
+
+
+def _snapshot_bytes(agent: SyntheticAgent) -> int:
+    """Size of one full snapshot as published (signed envelope)."""
+    msg = agent.core.telemetry(
+        time.time(),
+        public_keys=[agent.node.wg_key],
+        addresses=[agent.node.address],
+        full=True,
+        peers=agent.mesh.reports(agent.index, random.Random(0), profile=agent.profile),
+        counters={},
+    )
+    return len(msg)
+
+
+def _merge(counts: Sequence[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+def _controller_problems(stack: Stack) -> list[str]:
+    """The controller's warnings about dropped input (e.g. too_large telemetry)."""
+    try:
+        lines = (stack.dir / "controller.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    keep = [x for x in lines if "WARNING" in x or "Traceback" in x or "ERROR" in x]
+    return [x[-300:] for x in keep[-8:]]
+
+
+def ingest_cost(mesh: SyntheticMesh, profile: Profile = "agent", rounds: int = 2) -> dict[str, Any]:
+    """CPU of the controller's own code (ControllerCore.on_message) per full snapshot,
+    in this process: every node's snapshot ``rounds`` times, signatures checked. With
+    N nodes at one snapshot per 5 s, N / 5 * this is the controller's ingest share."""
+    from meshopt.bus.signing import generate_signing_key
+    from meshopt.controller.config import ControllerConfig, Enrolment
+    from meshopt.controller.core import ControllerCore
+
+    key, _ = generate_signing_key()
+    cfg = ControllerConfig(
+        mesh=MESH,
+        id=CONTROLLER_ID,
+        signing_key="/unused",
+        node_keys=tuple(Enrolment(x.name, public_key_b64(x.identity)) for x in mesh.nodes),
+    )
+    core = ControllerCore(cfg, key)
+    topics = Topics(MESH)
+    agents = [
+        AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time()) for x in mesh.nodes
+    ]
+    rng = random.Random(mesh.seed)
+    spent = 0.0
+    sizes: list[int] = []
+    for _ in range(rounds):
+        for x, ag in zip(mesh.nodes, agents, strict=True):
+            msg = ag.telemetry(
+                time.time(),
+                public_keys=[x.wg_key],
+                addresses=[x.address],
+                full=True,
+                peers=mesh.reports(x.index, rng, profile=profile),
+                counters={},
+            )
+            sizes.append(len(msg))
+            t0 = time.process_time()
+            core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+            spent += time.process_time() - t0
+    per_ms = 1000 * spent / (rounds * mesh.n)
+    return {
+        "ingest_ms_per_snapshot": round(per_ms, 3),
+        "ingest_cpu_pct_at_5s": round(100 * per_ms / 1000 * mesh.n / FULL_INTERVAL_S, 1),
+        "snapshot_bytes": max(sizes),
+        "refused": core.dropped(),
+    }
