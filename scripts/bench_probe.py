@@ -6,8 +6,7 @@ goal and pass/fail (medians over ``--runs``):
 
 1. ``rtt_accuracy``: the prober's median RTT (and ping's, the lab's own error, for
    reference) against the configured RTT at 2, 10, 40 and 80 ms; the prober's timer
-   error; the agents' own medians at the default probe rate, beside ping's on the same
-   tunnel at the same rate (the lab's own error there). Goal max(0.2 ms, 2 %).
+   error; the agents' own medians at the default probe rate. Goal max(0.2 ms, 2 %).
 2. ``loss``: 5 % configured per direction; the prober runs at 5 ms intervals so that a
    run has >= 1000 probes. Compared with the round-trip loss the configuration implies:
    5 % on one direction only (truth 5 %), and on both (truth 1 - 0.95^2 = 9.75 %).
@@ -46,7 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshopt.agent.probeaddr import probe_address
 from meshopt.bus.signing import unsigned_payload
 from meshopt.lab.agents import agent_log, start_agent
 from meshopt.lab.lab import Lab
@@ -332,11 +330,6 @@ def key_of(lab: Lab, node: str) -> str:
     return next(w.public_key for w in lab.state.wg if w.node == node)
 
 
-def ifname_of(lab: Lab, node: str) -> str:
-    """The node's WireGuard interface (the lab's single layout: one per node)."""
-    return next(w.ifname for w in lab.state.wg if w.node == node)
-
-
 def owners(lab: Lab) -> dict[str, str]:
     return {w.public_key: w.node for w in lab.state.wg}
 
@@ -409,40 +402,8 @@ def bench_rtt(lab: Lab, s: Settings) -> dict[str, Any]:
     )
 
 
-def ping_medians(
-    lab: Lab, pairs: Sequence[tuple[str, str]], count: int, interval: float
-) -> dict[tuple[str, str], float | None]:
-    """ping's median RTT over each pair's tunnel, all pairs at once: the lab's own error
-    at the agents' probe rate (wireguard-go wakes more slowly for sparse packets), which
-    the configured RTT does not show. ping goes where the agents' probes go: to the
-    peer's link-local probe address (the agents add it), over the same interface."""
-    argv = ["ping", "-n", "-c", str(count), "-i", str(interval), "-W", "2"]
-    procs = {
-        (a, b): lab.popen(
-            a,
-            [*argv, f"{probe_address(key_of(lab, b))}%{ifname_of(lab, a)}"],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for a, b in pairs
-    }
-    out: dict[tuple[str, str], float | None] = {}
-    for key, proc in procs.items():
-        text, _ = proc.communicate(timeout=count * interval + 20)
-        try:
-            out[key] = median(parse_ping(text)[2])
-        except ValueError:
-            out[key] = None
-    return out
-
-
-def agent_rtts(
-    lab: Lab,
-    configured: Mapping[tuple[str, str], float],
-    pings: Mapping[tuple[str, str], float | None] | None = None,
-) -> list[dict[str, Any]]:
-    """The agents' own median RTTs (telemetry, default probe rate) vs the configuration,
-    and vs ping on the same path at the same rate where ``pings`` has it."""
+def agent_rtts(lab: Lab, configured: Mapping[tuple[str, str], float]) -> list[dict[str, Any]]:
+    """The agents' own median RTTs (telemetry, default probe rate) vs the configuration."""
     own = owners(lab)
     rows = []
     for src in ("n1", "n2"):
@@ -454,12 +415,9 @@ def agent_rtts(
             want = configured[(src, dst)]
             got = p.get("rtt_median_ms")
             err = None if got is None else round(got - want, 3)
-            ping = (pings or {}).get((src, dst))
             rows.append(
                 {"from": src, "to": dst, "configured_rtt_ms": want, "agent_median_ms": got,
-                 "error_ms": err, "samples": p.get("samples"), "ping_median_ms": ping,
-                 "agent_minus_ping_ms":
-                     None if got is None or ping is None else round(got - ping, 3),
+                 "error_ms": err, "samples": p.get("samples"),
                  "pass": err is not None and abs(err) <= rtt_goal_ms(want)}
             )  # fmt: skip
     return rows
@@ -647,13 +605,8 @@ def bench_agents(lab: Lab, s: Settings) -> dict[str, dict[str, Any]]:
             raise RuntimeError("agents never saw each other alive")
         time.sleep(2.0)
         out["probe_bytes"] = _probe_bytes(lab, s)
-        configured = {("n1", "n2"): 10.0, ("n1", "n3"): 10.0, ("n2", "n3"): 10.0}
         try:
-            # After the byte count (ICMP would add to it); the agents' windows (the last
-            # 64 probes, 21 s) overlap these 11 s.
-            interval = ProbeConfig().interval_s
-            pings = ping_medians(lab, list(configured), round(11.0 / interval), interval)
-            rows = agent_rtts(lab, configured, pings)
+            rows = agent_rtts(lab, {("n1", "n2"): 10.0, ("n1", "n3"): 10.0, ("n2", "n3"): 10.0})
         except Exception as exc:
             rows = [{"error": str(exc)}]
         out["agent_rtt"] = {"rows": rows}

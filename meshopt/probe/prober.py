@@ -43,31 +43,12 @@ gives the figure for any setting.
 
 Timing
 ======
-The RTT is the reply's kernel receive stamp minus the request's kernel transmit stamp
-(``SO_TIMESTAMPING``, read back from the socket's error queue: where the device took
-the packet), minus the responder's own turnaround (its kernel receive stamp to its
-``sendto``, carried in the reply). All are CLOCK_REALTIME. Where no transmit stamp
-comes back the send stamp is ``time.time_ns()`` taken right before ``sendto``
-(``no_tx_ts``; ``tx_ts`` counts the others): that one also counts the system call and
-any preemption inside it (~0.05 ms median here). Without receive ancillary data the
-prober falls back to the time it read the reply and counts ``no_kernel_ts``.
-Scheduling, timeouts and liveness use ``time.monotonic()`` (``dead_since`` is a
-monotonic time).
-
-Peers are probed at different moments of the interval (up to ``PHASES`` send times,
-each new one mid-way in the largest gap between the others; a stall skips whole
-intervals and keeps them). Probes sent together queue behind each other in the
-sender's WireGuard, the underlay and the responder, and measure that queue.
-
-Measured (issue 14; ``scripts/bench_probe.py --quick --only rtt --only agents``, three
-agents at the default rate, 10 ms configured): the agents' median read 0.22/0.32/0.29
-ms high before these two changes and 0.21/0.20/0.23 after on a quiet machine (medians
-of 3 runs); with two busy processes beside the lab 0.24-0.60 before and -0.17-0.14
-after. Captured on the tunnel interfaces, the agent's median now equals the tunnel's
-own round trip (kernel stamps on both ``wg0``, minus the responder's time) within
-0.01 ms; what remains against the configured RTT is the lab's (wireguard-go wakes
-slowly for sparse packets): ping at the same rate on the same path reads the same
-(the benchmark's ``ping_median_ms``).
+Send stamps are ``time.time_ns()`` (CLOCK_REALTIME, the kernel's receive-stamp clock)
+taken right before ``sendto``; the RTT is the reply's kernel receive stamp minus that,
+minus the responder's own turnaround (its kernel receive stamp to its ``sendto``,
+carried in the reply). Without ancillary data the prober falls back to the time it
+read the reply and counts ``no_kernel_ts``. Scheduling, timeouts and liveness use
+``time.monotonic()`` (``dead_since`` is a monotonic time).
 
 Everything arrives on one dual-stack socket bound to ``[::]:0``. A reply whose nonce
 is not this prober's, whose seq was never sent (or belongs to a removed target), that
@@ -86,7 +67,6 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -97,7 +77,6 @@ from typing import Any
 
 from meshopt.errors import InputError
 from meshopt.probe.packet import (
-    HEADER_BYTES,
     MAX_PADDING,
     MAX_PROBE_BYTES,
     NONCE_BYTES,
@@ -111,14 +90,7 @@ from meshopt.probe.packet import (
     stamp,
 )
 from meshopt.probe.stats import DEFAULT_HALF_LIFE_S, PeerWindow, ProbeStats
-from meshopt.probe.timestamps import (
-    SCM_TSTAMP_SND,
-    TimerError,
-    drain_timestamped,
-    drain_tx_timestamps,
-    enable_tx_timestamps,
-    open_udp_socket,
-)
+from meshopt.probe.timestamps import TimerError, drain_timestamped, open_udp_socket
 
 log = logging.getLogger("meshopt.probe")
 
@@ -127,7 +99,6 @@ __all__ = ["PROBE_PORT", "ProbeConfig", "Prober", "Target"]
 DRAIN = 64  # datagrams read per wake-up before yielding to the loop
 RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and late replies
 SLACK_S = 0.001  # a timer that fires this early still counts as due
-PHASES = 8  # distinct send times per interval at most (see Prober._free_phase)
 _SEQ_MOD = 2**32
 
 
@@ -140,7 +111,6 @@ class ProbeConfig:
     port: int = PROBE_PORT
     padding: int = 0
     half_life_s: float = DEFAULT_HALF_LIFE_S  # of the smoothed RTT
-    tx_timestamps: bool = True  # time from the kernel's transmit stamp where it gives one
 
     def __post_init__(self) -> None:
         def bad(message: str) -> InputError:
@@ -161,8 +131,6 @@ class ProbeConfig:
             raise bad(f"port must be 1..65535, got {self.port!r}")
         if not isinstance(self.padding, int) or not 0 <= self.padding <= MAX_PADDING:
             raise bad(f"padding must be 0..{MAX_PADDING} bytes, got {self.padding!r}")
-        if not isinstance(self.tx_timestamps, bool):
-            raise bad(f"tx_timestamps must be true or false, got {self.tx_timestamps!r}")
 
     def bytes_per_s(self, *, inner_ipv6: bool = True, outer_ipv6: bool = False) -> float:
         """Underlay bytes per second per peer, request and reply, WireGuard included."""
@@ -233,13 +201,11 @@ class _Peer:
     bytes_received: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Pending:
     peer: _Peer
-    send_ns: int  # user-space stamp, echoed by the responder
+    send_ns: int
     sent_at: float  # monotonic
-    tx_ns: int | None = None  # the kernel's transmit stamp, once read
-    tx_kind: int | None = None  # SCM_TSTAMP_SND or SCM_TSTAMP_SCHED
 
 
 @dataclass
@@ -277,8 +243,6 @@ class Prober:
             "duplicate": 0,
             "late": 0,
             "no_kernel_ts": 0,
-            "tx_ts": 0,  # RTTs timed from the kernel's transmit stamp
-            "no_tx_ts": 0,  # ... from the user-space stamp (no transmit stamp came)
             "clock_step": 0,
             "send_error": 0,
             "recv_error": 0,
@@ -288,7 +252,6 @@ class Prober:
         self._recent = _Recent()
         self._next_seq = int.from_bytes(os.urandom(4), "big")
         self._sock: socket.socket | None = None
-        self.tx_timestamps = False  # asked for and given transmit stamps (set by start)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._logged: set[str] = set()
@@ -301,7 +264,6 @@ class Prober:
             sock = open_udp_socket("::", 0)
         except OSError as exc:
             raise InputError(f"prober cannot open its dual-stack UDP socket: {exc}") from exc
-        self.tx_timestamps = self.config.tx_timestamps and enable_tx_timestamps(sock)
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._loop.add_reader(sock.fileno(), self._on_readable)
@@ -343,43 +305,9 @@ class Prober:
                 window = PeerWindow(
                     self.config.window, self.config.half_life_s, interval_s=self.config.interval_s
                 )
-                self._peers[name] = _Peer(t, addr, window, next_send=self._free_phase(now))
+                self._peers[name] = _Peer(t, addr, window, next_send=now)
         if self._sock is not None:
             self._arm(now)
-
-    def _free_phase(self, now: float) -> float:
-        """When a new peer's probes start (the first peer's: at once).
-
-        Up to ``PHASES`` send times spread over the interval, each new one mid-way in
-        the largest gap between those in use; beyond that a new peer shares the send
-        time with the fewest peers. Probes sent together queue behind each other in
-        the sender's WireGuard (wireguard-go hands each packet through several
-        threads), the underlay and the responder, and all of them measured that queue:
-        15 probes sent together through one tunnel here read 0.7-1.1 ms high (10 ms
-        configured), spread they read 10.02 ms; on 8 send times (two probes each)
-        0.27 ms high. Each send time costs the agent a wake-up per interval, hence the
-        cap: 15 peers on 8 send times took 1.2 % of a core against 0.25 % on one in a
-        loopback microbenchmark (which charges the responder's wake-ups to the
-        prober too); bench_probe's 16-agent figure moved from 4.30 to 4.40 % at load 8.
-        """
-        interval = self.config.interval_s
-        slots: dict[float, int] = {}
-        for peer in self._peers.values():
-            phase = (peer.next_send - now) % interval
-            near = next((p for p in slots if abs(p - phase) <= SLACK_S), None)
-            if near is None:
-                slots[phase] = 1
-            else:
-                slots[near] += 1
-        if not slots:
-            return now
-        if len(slots) >= PHASES:
-            fewest = min(slots.items(), key=lambda item: (item[1], item[0]))
-            return now + fewest[0]
-        phases = sorted(slots)
-        ends = [*phases[1:], phases[0] + interval]
-        gap, start = max((nxt - ph, ph) for ph, nxt in zip(phases, ends, strict=True))
-        return now + (start + gap / 2) % interval
 
     def _drop_peer(self, name: str) -> None:
         peer = self._peers.pop(name)
@@ -404,12 +332,6 @@ class Prober:
         """``time.monotonic()`` when the peer was declared dead; None unless dead now."""
         peer = self._peers.get(name)
         return peer.dead_since if peer is not None else None
-
-    def next_probe_at(self, name: str) -> float | None:
-        """``time.monotonic()`` when the peer's next probe is due (its phase in the
-        interval: peers are spread over it); None for an unknown peer."""
-        peer = self._peers.get(name)
-        return peer.next_send if peer is not None else None
 
     def bytes_sent(self, name: str) -> int:
         """UDP payload bytes sent to the peer (see ``ProbeConfig.bytes_per_s`` for wire)."""
@@ -510,10 +432,8 @@ class Prober:
             if peer.next_send <= due:
                 self._send(peer)
                 peer.next_send += cfg.interval_s
-                if peer.next_send <= now:  # fell behind (a stalled loop): no burst, and
-                    # whole intervals skipped, so the peers keep their spread phases
-                    missed = math.floor((now - peer.next_send) / cfg.interval_s) + 1
-                    peer.next_send += missed * cfg.interval_s
+                if peer.next_send <= now:  # fell behind (a stalled loop): no burst
+                    peer.next_send = now + cfg.interval_s
 
     def _send(self, peer: _Peer) -> None:
         sock = self._sock
@@ -525,12 +445,10 @@ class Prober:
             encode(ProbePacket(Kind.REQUEST, self.nonce, seq, 0, padding=self.config.padding))
         )
         # Stamped after encoding, right before the send: encoding (and a preemption
-        # during it) is not part of the round trip. The monotonic stamp first: a
-        # preemption between the two then lengthens the monotonic span, which the
-        # clock-step check compares the wall-clock span with, not the other way round.
-        sent_at = time.monotonic()
+        # during it) is not part of the round trip.
         send_ns = time.time_ns()
         stamp(data, send_ns)
+        sent_at = time.monotonic()
         self._pending[seq] = _Pending(peer, send_ns, sent_at)
         if peer.unanswered == 0:
             peer.first_unanswered = sent_at
@@ -544,35 +462,6 @@ class Prober:
             self._log_once(f"send:{exc.errno}", "probe to %s failed: %s", peer.target.name, exc)
             return
         peer.bytes_sent += len(data)
-        if self.tx_timestamps:
-            self._take_tx_stamps(sock)  # usually there already: a virtual device sends inline
-
-    def _take_tx_stamps(self, sock: socket.socket) -> None:
-        """Attach the kernel's transmit stamps on the error queue to their pending probes.
-
-        The queue returns each request as sent, its payload at the end; a stamp for a
-        probe no longer pending (answered or timed out meanwhile) is dropped. The
-        driver's stamp (``SND``) wins over the queueing layer's (``SCHED``).
-        """
-        size = HEADER_BYTES + self.config.padding
-        try:
-            for packet, tx_ns, kind in drain_tx_timestamps(sock, DRAIN):
-                if len(packet) < size:
-                    continue
-                try:
-                    request = decode(packet[-size:])
-                except ProbeFormatError:
-                    continue
-                if request.kind is not Kind.REQUEST or request.nonce != self.nonce:
-                    continue
-                pending = self._pending.get(request.seq)
-                if pending is None or pending.send_ns != request.send_ns:
-                    continue
-                if pending.tx_ns is None or kind == SCM_TSTAMP_SND:
-                    pending.tx_ns, pending.tx_kind = tx_ns, kind
-        except OSError as exc:
-            self.counters["recv_error"] += 1
-            self._log_once("errqueue", "prober: reading transmit stamps failed: %s", exc)
 
     def _notify(self, name: str, alive: bool) -> None:
         if self.on_change is None:
@@ -587,10 +476,6 @@ class Prober:
         sock = self._sock
         if sock is None:
             return
-        if self.tx_timestamps:
-            # First: a reply's probe needs its stamp; and a stamp left queued keeps the
-            # socket readable (EPOLLERR), so the loop would spin.
-            self._take_tx_stamps(sock)
         try:
             for data, addr, rx_ns in drain_timestamped(sock, MAX_PROBE_BYTES + 1, DRAIN):
                 user_ns = time.time_ns()
@@ -646,16 +531,7 @@ class Prober:
         if not 0 < span_ns <= (now - pending.sent_at + SLACK_S) * 1e9:
             self._count("clock_step", addr, f"a round trip of {span_ns} ns (clock stepped)")
             return
-        # Time from the kernel's transmit stamp where there is one: the send system call
-        # (and a preemption inside it) is not part of the path.
-        start_ns = pending.send_ns
-        tx_ns = pending.tx_ns
-        if tx_ns is not None and pending.send_ns <= tx_ns <= rx_ns:
-            start_ns = tx_ns
-            self.counters["tx_ts"] += 1
-        else:
-            self.counters["no_tx_ts"] += 1
-        rtt_ns = rx_ns - start_ns - reply.turnaround_ns
+        rtt_ns = span_ns - reply.turnaround_ns
         if rtt_ns <= 0:
             self._bad("bad_turnaround", addr, f"turnaround {reply.turnaround_ns} ns >= RTT")
             return

@@ -566,16 +566,12 @@ class Responder:
         if request.kind is not Kind.REQUEST:
             self._drop("not_request", addr, f"a {request.kind.name} is never answered")
             return
-        reply = bytearray(encode(reply_to(request, 0)))
+        sent_ns = time.time_ns()
+        turnaround = sent_ns - rx_ns if rx_ns is not None else 0
+        reply = encode(reply_to(request, turnaround))
         if len(reply) > len(data):  # cannot happen with this format; never amplify
             self._drop("would_amplify", addr, f"a {len(reply)}-byte reply to {len(data)}")
             return
-        # The turnaround ends as late as possible, after encoding, right before the send
-        # (as the prober stamps its requests): the time spent here is the responder's,
-        # not the path's. A reply has no padding: the turnaround is its last 4 bytes.
-        if rx_ns is not None:
-            turnaround = min(max(time.time_ns() - rx_ns, 0), 2**32 - 1)
-            reply[-4:] = turnaround.to_bytes(4, "big")
         try:
             sock.sendto(reply, addr)
         except OSError as exc:

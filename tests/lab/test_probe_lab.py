@@ -89,7 +89,6 @@ def test_probe_rtt_matches_the_emulated_rtt(quiet: Lab, responder: subprocess.Po
     ping_median = statistics.median(float(x) for x in re.findall(r"time=([\d.]+) ms", ping_out))
     assert abs(stats["rtt_median_ms"] - ping_median) <= rtt_tolerance(truth), ping_median
     assert result["counters"]["no_kernel_ts"] == 0
-    assert result["counters"]["no_tx_ts"] == 0  # every RTT starts at the kernel's TX stamp
     assert result["counters"]["bad_packet"] == 0
     assert peer["alive"] is True
     print(
