@@ -163,9 +163,13 @@ class Agent:
         self.last_full = -1e18
         self.installed_routes = 0
         self.installed: list[DesiredRoute] = []  # the last apply's routes (metrics, status)
+        self.apply_errors: list[str] = []  # what the kernel refused in the last apply
         self.applied = False  # a route set was reconciled into the kernel at least once
         self.loops: dict[str, asyncio.Task[None]] = {}  # for /healthz
         self.started_at = wall()
+        from meshopt.metrics.statusfile import ApplyLock, status_path
+
+        self._apply_lock = ApplyLock(status_path(cfg.state_dir, cfg.mesh, cfg.node))
         self.running = True  # False once stopping: the last status file says so
         self.failed_over: set[tuple[str, str]] = set()
         self._shape: tuple[object, ...] = ()
@@ -289,6 +293,7 @@ class Agent:
         if self.transfer is not None:
             await self.transfer.close()
         await self.installer.close()
+        self._apply_lock.close()
         await self.net.close()
         with contextlib.suppress(Exception):
             self.sysctls.restore()  # the host's own values, as found before the first run
@@ -533,13 +538,20 @@ class Agent:
         for ifname, update in allowed_ips_updates(self.tracker.peers, plan.allowed_ips).items():
             await self.wg.apply(ifname, update)
         if self.route_set is not None:
-            result = await self.installer.reconcile(plan.routes, self.rules)
-            for err in result.errors:
-                self.counters.count("route_refused", str(err))
-            self.installed_routes = len(plan.routes)
-            self.installed = list(plan.routes)
-            self.applied = True
-            self._write_status()
+            # `meshopt status` must see the kernel and the status file of one apply.
+            locked = self.cfg.metrics.status_interval_s > 0 and await self._apply_lock.acquire()
+            try:
+                result = await self.installer.reconcile(plan.routes, self.rules)
+                for err in result.errors:
+                    self.counters.count("route_refused", str(err))
+                self.apply_errors = list(result.errors)
+                self.installed_routes = len(plan.routes)
+                self.installed = list(plan.routes)
+                self.applied = True
+                self._write_status()
+            finally:
+                if locked:
+                    self._apply_lock.release()
         took_ms = (self.clock() - started) * 1000
         for f in new:
             log.warning(

@@ -255,6 +255,7 @@ def report(status: AgentStatus, cmp: Comparison | None, now: float, path: Path) 
             ],
         },
         "failed_over": status.failed_over,
+        "apply_errors": status.apply_errors,
         "peers": [
             {
                 "key": p.key,
@@ -316,6 +317,8 @@ def render_text(doc: dict[str, Any], color: bool) -> str:
         )
     if doc["failed_over"]:
         lines.append("failed over (primary dead): " + ", ".join(doc["failed_over"]))
+    for err in doc["apply_errors"]:
+        lines.append(_style("refused by the kernel: ", "1;31", color) + err)
     if doc["peers"]:
         lines.append("")
         lines.append(f"  {'peer':<10} {'interface':<15} {'state':<6} {'rtt':>10} {'loss':>7}")
@@ -411,26 +414,33 @@ def status_cmd(
     Works without the broker. Exit 0 in sync, 1 the kernel differs, 2 bad input,
     3 no agent status found.
     """
-    from meshopt.metrics.statusfile import read_status
+    import importlib
+
+    from meshopt.metrics.statusfile import read_status, reading
 
     path = locate(config_path, state_path)
-    try:
-        status = read_status(path)
-    except FileNotFoundError:
-        raise UnavailableError(
-            f"no agent status at {path}: is the agent running (with this state_dir)?"
-        ) from None
-    except IsADirectoryError:
-        raise InputError(f"{path} is a directory, not a status file") from None
-    except PermissionError:
-        raise InputError(f"{path}: permission denied (run as root or the agent's user)") from None
     if netns is not None and ("/" in netns or netns in (".", "..") or not netns):
         raise InputError(f"--netns {netns!r} is not a namespace name")
-    cmp = None
-    if status.applied:
-        want_routes, want_rules = _wanted(status)
-        have_routes, have_rules = asyncio.run(read_kernel(netns))
-        cmp = compare(want_routes, have_routes, want_rules, have_rules)
+    importlib.import_module("pyroute2")  # ~0.4 s: not while holding the agent's lock
+    # The file and the kernel from one apply: the agent changes neither while we read.
+    with reading(path):
+        try:
+            status = read_status(path)
+        except FileNotFoundError:
+            raise UnavailableError(
+                f"no agent status at {path}: is the agent running (with this state_dir)?"
+            ) from None
+        except IsADirectoryError:
+            raise InputError(f"{path} is a directory, not a status file") from None
+        except PermissionError:
+            raise InputError(
+                f"{path}: permission denied (run as root or the agent's user)"
+            ) from None
+        cmp = None
+        if status.applied:
+            want_routes, want_rules = _wanted(status)
+            have_routes, have_rules = asyncio.run(read_kernel(netns))
+            cmp = compare(want_routes, have_routes, want_rules, have_rules)
     doc = report(status, cmp, time.time(), path)
     if as_json:
         json.dump(doc, sys.stdout, indent=2, allow_nan=False)

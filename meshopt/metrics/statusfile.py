@@ -10,7 +10,12 @@ connected. Reading it needs no MQTT and no running agent.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,11 +101,84 @@ class AgentStatus(msgspec.Struct, kw_only=True):
     routes: list[StatusRoute] = msgspec.field(default_factory=list)
     rules: list[StatusRule] = msgspec.field(default_factory=list)
     failed_over: list[str] = msgspec.field(default_factory=list)  # "dst table"
+    apply_errors: list[str] = msgspec.field(default_factory=list)  # what the kernel refused
     peers: list[StatusPeer] = msgspec.field(default_factory=list)
 
 
 def status_path(state_dir: str | Path, mesh: str, node: str) -> Path:
     return Path(state_dir) / f"status-{mesh}-{node}.json"
+
+
+def lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+class ApplyLock:
+    """Held by the agent from changing the kernel until its status file says so.
+
+    ``meshopt status`` holds it shared while it reads the file and dumps the kernel, so
+    it never compares a half-applied kernel with the file of the apply before (which
+    it once reported as a WRONG route). A reader holds it for milliseconds; the agent
+    waits at most ``wait_s`` and then applies anyway: routes never wait for a reader.
+    """
+
+    def __init__(self, status: Path) -> None:
+        self.path = lock_path(status)
+        self._fd: int | None = None
+
+    async def acquire(self, wait_s: float = 0.5) -> bool:
+        if self._fd is None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+            except OSError:
+                return False  # no state_dir: there is no status file to agree with either
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(0.005)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+@contextlib.contextmanager
+def reading(status: Path, wait_s: float = 2.0) -> Iterator[bool]:
+    """The agent's apply lock, shared, while a reader looks at the file and the kernel.
+
+    Yields whether it is held: False for an agent that never applied (no lock file),
+    a reader without access to it, or an apply that took longer than ``wait_s``.
+    """
+    try:
+        fd = os.open(lock_path(status), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        yield False
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.005)
+        yield True
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def _finite(x: float | None) -> float | None:
@@ -180,6 +258,7 @@ def snapshot(agent: Agent, started_at: float) -> AgentStatus:
         routes=[route_entry(r) for r in agent.installed],
         rules=[rule_entry(r) for r in agent.rules] if agent.applied and not withdrawn else [],
         failed_over=sorted(f"{dst} {table}" for dst, table in agent.failed_over),
+        apply_errors=list(agent.apply_errors),
         peers=peers,
     )
 

@@ -185,3 +185,42 @@ def test_stopped_agent_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == int(not doc["in_sync"])  # 0 unless this namespace has proto-77 routes
     _, out, _ = run(capsys, "--state", str(path))
     assert "stopped (clean stop" in out
+
+
+def test_apply_lock_keeps_reader_and_agent_apart(tmp_path: Path) -> None:
+    """A reader holding the lock makes the agent's apply wait; never the other way
+    round for longer than the agent's bound (routes never wait for a reader)."""
+    import asyncio
+
+    from meshopt.metrics.statusfile import ApplyLock, lock_path, reading
+
+    path = tmp_path / "status-m-a.json"
+    with reading(path) as held:
+        assert held is False  # no agent has applied yet: no lock file, nothing to wait for
+    lock = ApplyLock(path)
+
+    async def scenario() -> list[bool]:
+        got = [await lock.acquire(wait_s=0.05)]  # nobody reads: at once
+        with reading(path, wait_s=0.05) as held:
+            got.append(held)  # the agent holds it: the reader gives up, says so
+        lock.release()
+        with reading(path) as held:
+            got.append(held)
+            got.append(await lock.acquire(wait_s=0.05))  # a reader holds it: bounded wait
+        got.append(await lock.acquire(wait_s=0.05))  # the reader is gone
+        lock.release()
+        return got
+
+    assert asyncio.run(scenario()) == [True, False, True, False, True]
+    assert lock_path(path).exists()
+    lock.close()
+
+
+def test_refused_routes_are_shown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "status.json"
+    refused = "10.9.0.1/32 dev wg0 table 7701: no interface wg0"
+    write_status(path, status(routes=[], apply_errors=[refused]))
+    code, out, _ = run(capsys, "--state", str(path))
+    assert "refused by the kernel: " + refused in out
+    code, out, _ = run(capsys, "--state", str(path), "--json")
+    assert json.loads(out)["apply_errors"] == [refused]
