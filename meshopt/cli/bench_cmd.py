@@ -36,6 +36,14 @@ def bench_group() -> None:
     show_default=True,
     help="Seconds of +/-20% jitter for the stability figure (0: skip).",
 )
+@click.option(
+    "--cpu-load",
+    "cpu_load_n",
+    type=click.IntRange(min=0, max=64),
+    default=0,
+    show_default=True,
+    help="Busy processes (one core each) beside the lab all along.",
+)
 @click.option("--quick", is_flag=True, help="One run and 60 s of stability.")
 @click.option(
     "--baseline",
@@ -43,7 +51,12 @@ def bench_group() -> None:
     help="An earlier JSON result: print each median's ratio to it.",
 )
 def convergence_cmd(
-    topology: str | None, runs: int, stability_s: float, quick: bool, baseline: str | None
+    topology: str | None,
+    runs: int,
+    stability_s: float,
+    cpu_load_n: int,
+    quick: bool,
+    baseline: str | None,
 ) -> None:
     """Route quality, re-route, fail-over and stability on an 8-node live mesh."""
     base: dict[str, Any] = {}
@@ -61,7 +74,13 @@ def convergence_cmd(
 
     signal.signal(signal.SIGTERM, on_term)
     err = console(stderr=True)
-    result = bench(topology=topology, runs=runs, stability_s=stability_s, progress=err.log)
+    result = bench(
+        topology=topology,
+        runs=runs,
+        stability_s=stability_s,
+        cpu_load_n=cpu_load_n,
+        progress=err.log,
+    )
     if baseline is not None:
         ratios = {}
         for key in ("degradation_s", "failure_s", "controller_failover_s"):
