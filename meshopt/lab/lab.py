@@ -27,6 +27,7 @@ Python API::
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import shutil
@@ -82,6 +83,8 @@ from meshopt.topology import load_topology, save_topology
 from meshopt.topology.model import Topology
 from meshopt.topology.names import resolve_event_links
 from meshopt.wireguard.userspace import private_run_dir_argv
+
+_log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 # What wireguard-go adds per direction here (two process wake-ups per packet), measured
@@ -282,6 +285,11 @@ class Lab:
         except EmulatorError as exc:
             raise LabError(str(exc)) from None
         self._track("emulator", proc.pid, None, directory / "emu.log")
+        why = procs.realtime(proc.pid, procs.EMULATOR_RT_PRIORITY)
+        if why is not None:
+            _log.warning(
+                "lab %s: the emulator runs without real-time priority (%s)", plan.name, why
+            )
         if proc.stdout is not None:
             proc.stdout.close()
 

@@ -11,6 +11,7 @@ route per peer chooses the interface, as operators of that layout do.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import shutil
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -20,6 +21,8 @@ from meshopt.lab.plan import WG_MTU, WgIfPlan
 from meshopt.lab.state import LabError, ProcState, WgState, lab_dir, save
 from meshopt.wireguard.keys import generate_keypair
 from meshopt.wireguard.model import InterfaceConfig, PeerConfig
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from meshopt.lab.lab import Lab
@@ -95,6 +98,11 @@ def start_wireguard(lab: Lab, wg_ifs: Sequence[WgIfPlan]) -> WgBackend:
         except WireGuardError as exc:
             raise LabError(str(exc)) from None
         wg.log.close()  # the process keeps its own descriptor; the lab outlives us
+        why = procs.realtime(wg.pid, procs.WIREGUARD_RT_PRIORITY)
+        if why is not None:
+            _log.warning(
+                "lab %s: wireguard-go runs without real-time priority (%s)", plan.name, why
+            )
         state.procs.append(ProcState(f"wg:{node.name}:{w.ifname}", wg.pid, node.netns, str(log)))
         save(state)
     return _UserspaceLabBackend(lab)

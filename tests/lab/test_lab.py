@@ -275,3 +275,26 @@ def test_netem_underlay(make_lab: LabMaker) -> None:
     lab.set("n1-n2 delay=20ms")
     r = _ping(lab, "n1", "n2", 20, 0.01)
     assert abs(statistics.median(r.rtts) - 40.0) <= rtt_tolerance(40.0)
+
+
+def test_underlay_keeps_its_timing_on_a_busy_machine(fresh: Lab) -> None:
+    """The emulator and wireguard-go stand in for the network and kernel WireGuard,
+    which do not queue behind user processes: they run SCHED_FIFO, and with two
+    spinning processes (load 2 on these 2-core machines) the emulator still releases
+    its packets on time. Under nice -10 alone 18 % left more than 1 ms late."""
+    import os
+
+    from meshopt.bench.cpuload import cpu_load, lag_window
+
+    for p in fresh.state.procs:
+        if p.role == "emulator" or p.role.startswith("wg:"):
+            assert os.sched_getscheduler(p.pid) == os.SCHED_FIFO, p.role
+    _ping(fresh, "n1", "n2", 1, 0.1)  # handshake first
+    with cpu_load(2):
+        before = fresh.emulator.stats()
+        r = _ping(fresh, "n1", "n2", 100, 0.02)
+        window = lag_window(before, fresh.emulator.stats())
+    assert r.received >= 95
+    # Not ping's own RTT: ping itself (and the kernel's deferred softirq work) queues
+    # behind the load, and once read a 13 ms median here with the machine at load 9.
+    assert window["packets"] >= 190 and window["ok"], window
