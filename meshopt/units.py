@@ -96,6 +96,23 @@ def parse_loss(value: object, what: str = "loss") -> float:
     return frac
 
 
+MAX_SPIKE_N = 1_000_000
+
+
+def parse_spike(value: object, what: str = "spike") -> int:
+    """A lab fault, one packet in N held 100-300 ms: N from '20', '1/20' or 20; 0 or
+    'off' for none."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else "?"
+    if text in ("off", "0", "none"):
+        return 0
+    text = text.removeprefix("1/")
+    if not text.isdigit() or not 1 <= int(text) <= MAX_SPIKE_N:
+        raise InputError(
+            f"bad {what} {value!r}: give N or 1/N (one packet in N, 1..{MAX_SPIKE_N}) or off"
+        )
+    return int(text)
+
+
 def format_ms(ms: float) -> str:
     """Human-readable milliseconds: '12.3 ms', '∞'."""
     if math.isinf(ms):

@@ -223,6 +223,8 @@ def set_cmd(name: str, change: tuple[str, ...]) -> None:
     meshopt lab set NAME a->b rate=5Mbit             one direction
     meshopt lab set NAME a-b down | up               cut or restore a link
     meshopt lab set NAME node=c down | up            cut or restore a node
+    meshopt lab set NAME a-b spike=20 | spike=off    1 packet in 20 held 100-300 ms
+    meshopt lab set NAME node=c stall=2s             stop c's processes for 2 s
     """
     from meshopt.lab.lab import Lab
 

@@ -23,7 +23,12 @@ Spec (JSON; ``EmulatorSpec``)::
 
 Matrices are n×n, row = sender, column = receiver; the diagonal is ignored; ``null``
 rate means unlimited; ``jitter_ms``, ``loss`` and ``rate_mbit`` may be omitted (0, 0,
-unlimited). Optional: ``address6`` per node, ``txqueuelen`` (1000), ``queue_ms`` (50)
+unlimited). ``spike`` (optional, 0 = off) is a fault: on pair (i, j) with ``spike`` N,
+one packet in N (at random, probability 1/N, from the spec's seed) is held
+SPIKE_MS (100-300 ms, uniform) longer than the pair's delay, alone: the packets after
+it are not held behind it (a busy host or a retransmitting hop delays one packet; the
+estimator must ignore it, see :mod:`meshopt.estimate`). Its count is the pair's
+``spiked`` in ``stats``. Optional: ``address6`` per node, ``txqueuelen`` (1000), ``queue_ms`` (50)
 and ``queue_min_bytes`` (65536) for the rate queues, ``nice`` (-10: the network should
 not wait behind the endpoints it carries), ``read_latency_us`` (60: the emulator's own
 per-hop latency, taken off the configured delay), ``tunnel_ports`` and
@@ -35,6 +40,7 @@ process touches is visibly the lab's.
 Control socket: newline-delimited JSON, one reply line per request line::
 
     {"op": "set", "pairs": [[0, 1], ["a", "c"]], "delay_ms": 20, "rate_mbit": null}
+    {"op": "set", "pairs": [["a", "b"]], "spike": 20}
     {"op": "node", "node": 1, "up": false}
     {"op": "stats"}   {"op": "params"}   {"op": "ping"}
 
@@ -94,6 +100,7 @@ from meshopt.lab.shaper import (
 )
 from meshopt.lab.tun import check_ifname
 from meshopt.lab.underlay import UnderlayNode, check_matrices, check_nodes, pair_params
+from meshopt.units import MAX_SPIKE_N
 
 LAB_ID = re.compile(r"[A-Za-z0-9]{1,10}")
 READY = "READY"
@@ -112,6 +119,19 @@ IDLE_POLL_S = 1.0
 # safety net against a flood into a long unlimited-rate delay, counted as queue drops.
 MAX_QUEUED = 100_000
 MAX_REQUEST_BYTES = 1 << 20
+SPIKE_MS = (100.0, 300.0)  # how much longer a spiked packet is held
+
+
+def check_spike(value: object, what: str = "spike") -> int:
+    """``spike`` as an int N >= 0 (0: off; one packet in N delayed); ValueError if not."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a whole number N >= 0 (one packet in N), not {value!r}")
+    if not (math.isfinite(value) and value == int(value) and 0 <= value <= MAX_SPIKE_N):
+        raise ValueError(
+            f"{what} must be a whole number 0..{MAX_SPIKE_N} (one packet in N; 0 off), "
+            f"not {value!r}"
+        )
+    return int(value)
 
 
 class SpecError(ValueError):
@@ -136,6 +156,7 @@ class EmulatorSpec(msgspec.Struct, forbid_unknown_fields=True):
     jitter_ms: list[list[float]] | None = None
     loss: list[list[float]] | None = None
     rate_mbit: list[list[float | None]] | None = None
+    spike: list[list[int]] | None = None  # one packet in N delayed SPIKE_MS; 0 off
     seed: int = 1
     mtu: int = 1500
     txqueuelen: int = 1000
@@ -207,6 +228,12 @@ def validate_spec(spec: EmulatorSpec, *, check_system: bool = True) -> None:
     try:
         check_nodes(spec.nodes, mtu=spec.mtu)
         check_matrices(spec, n)
+        if spec.spike is not None:
+            if len(spec.spike) != n or any(len(row) != n for row in spec.spike):
+                raise ValueError(f"spike must be a {n}x{n} matrix")
+            for i, row in enumerate(spec.spike):
+                for j, v in enumerate(row):
+                    check_spike(v, f"spike[{i}][{j}]")
     except ValueError as exc:
         raise SpecError(str(exc)) from None
     for k, node in enumerate(spec.nodes):
@@ -253,6 +280,7 @@ class SetRequest(msgspec.Struct, tag_field="op", tag="set", forbid_unknown_field
     jitter_ms: float | msgspec.UnsetType = msgspec.UNSET
     loss: float | msgspec.UnsetType = msgspec.UNSET
     rate_mbit: float | msgspec.UnsetType | None = msgspec.UNSET
+    spike: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class NodeRequest(msgspec.Struct, tag_field="op", tag="node", forbid_unknown_fields=True):
@@ -326,6 +354,12 @@ class Emulator:
                 self.addr_to_node[ipaddress.ip_interface(text).ip.packed] = i
         self.up = [True] * n
         self.unknown = [0] * n
+        self.spike = [
+            [spec.spike[i][j] if spec.spike is not None and i != j else 0 for j in range(n)]
+            for i in range(n)
+        ]
+        self.spiked = [[0] * n for _ in range(n)]
+        self._spike_rng = random.Random(f"{spec.seed}:spike")
         self.read_latency_s = spec.read_latency_us / 1e6
         self.tunnel_latency_s = spec.tunnel_latency_us / 1e6
         self.tunnel_ports = frozenset(p.to_bytes(2, "big") for p in spec.tunnel_ports)
@@ -507,6 +541,7 @@ class Emulator:
         read_latency = self.read_latency_s
         tunnel_ports = self.tunnel_ports
         tunnel_extra = self.tunnel_latency_s
+        spike_row = self.spike[i]
         unknown = 0
         for _ in range(BATCH):
             try:
@@ -537,6 +572,9 @@ class Emulator:
                     arrival -= tunnel_extra
             when = shaper.schedule(arrival, len(pkt))
             if when is not None:
+                if spike_row[j] and self._spike_rng.random() * spike_row[j] < 1.0:
+                    when += self._spike_rng.uniform(*SPIKE_MS) / 1000.0
+                    self.spiked[i][j] += 1
                 if len(heap) >= MAX_QUEUED:
                     shaper.drop_queue += 1
                     continue
@@ -695,6 +733,7 @@ class Emulator:
                 changes[key] = value
         if req.rate_mbit is not msgspec.UNSET:
             changes["rate_mbit"] = math.inf if req.rate_mbit is None else req.rate_mbit
+        spike = None if req.spike is msgspec.UNSET else check_spike(req.spike)
         if not req.pairs:
             raise ValueError("set: 'pairs' is empty")
         pairs = []
@@ -707,6 +746,8 @@ class Emulator:
         new = [(i, j, replace(self.shapers[i][j].params, **changes)) for i, j in pairs]
         for i, j, params in new:
             self.shapers[i][j].set_params(params)
+            if spike is not None:
+                self.spike[i][j] = spike
         return {"ok": True, "pairs": len(new)}
 
     # -- reports -------------------------------------------------------------------
@@ -720,6 +761,8 @@ class Emulator:
                 counters = self.shapers[i][j].counters()
                 for key, value in counters.items():
                     totals[key] = totals.get(key, 0) + value
+                counters["spiked"] = self.spiked[i][j]
+                totals["spiked"] = totals.get("spiked", 0) + self.spiked[i][j]
                 if any(counters.values()):
                     pairs.append({"src": i, "dst": j, **counters})
         times = os.times()
@@ -755,6 +798,7 @@ class Emulator:
             "rate_mbit": [
                 [None if math.isinf(x.rate_mbit) else x.rate_mbit for x in row] for row in p
             ],
+            "spike": [list(row) for row in self.spike],
         }
 
 
@@ -947,9 +991,13 @@ class EmulatorClient:
         jitter_ms: float | None = None,
         loss: float | None = None,
         rate_mbit: float | msgspec.UnsetType | None = msgspec.UNSET,
+        spike: int | None = None,
     ) -> dict[str, Any]:
-        """Change the given directed pairs; omitted values stay (rate None: unlimited)."""
+        """Change the given directed pairs; omitted values stay (rate None: unlimited;
+        spike 0: off)."""
         message: dict[str, Any] = {"op": "set", "pairs": [list(p) for p in pairs]}
+        if spike is not None:
+            message["spike"] = spike
         for key, value in (("delay_ms", delay_ms), ("jitter_ms", jitter_ms), ("loss", loss)):
             if value is not None:
                 message[key] = value

@@ -27,10 +27,12 @@ Python API::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -82,6 +84,7 @@ from meshopt.sim.events import Event, check_events, parse_event
 from meshopt.topology import load_topology, save_topology
 from meshopt.topology.model import Topology
 from meshopt.topology.names import resolve_event_links
+from meshopt.units import parse_duration_s, parse_spike
 from meshopt.wireguard.userspace import private_run_dir_argv
 
 _log = logging.getLogger(__name__)
@@ -130,6 +133,14 @@ def _preflight() -> None:
     for tool in ("ip",):
         if shutil.which(tool) is None:
             raise LabError(f"the lab needs the {tool} command (iproute2)")
+
+
+def _cmdline(pid: int) -> bytes:
+    """``pid``'s command line (NUL-separated), empty if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _pids_in_netns(names: Sequence[str]) -> list[int]:
@@ -276,6 +287,7 @@ class Lab:
             ],
             tunnel_ports=sorted({w.port for w in plan.wg_ifs}),
             tunnel_latency_us=latency,
+            spike=None if self.topo.spike is None else self.topo.spike.astype(int).tolist(),
             **self._matrices(),
         )
         spec_path = directory / "emu.json"
@@ -312,6 +324,8 @@ class Lab:
 
     def _build_netem(self) -> None:
         plan = self.plan
+        if self.topo.spike is not None:
+            raise LabError(f"{self.topo.source}: spike needs the emulator (--underlay emulator)")
         spec = NetemSpec(
             switch_netns=self.switch_netns,
             nodes=[
@@ -609,13 +623,31 @@ class Lab:
 
     def set(self, text: str) -> Event:
         """Change the underlay now: ``a-b delay=150ms loss=2%``, ``a->b rate=5Mbit``,
-        ``a-b down``, ``node=c down``. Returns the parsed change."""
+        ``a-b down``, ``node=c down``; lab faults: ``a-b spike=20`` (one packet in 20
+        held 100-300 ms longer; ``spike=off``), ``node=c stall=2s`` (the node's processes
+        stopped for 2 s, see :meth:`stall`). Returns the parsed change."""
         words = text.split()
         if not words:
             raise InputError("nothing to set: give a-b key=value ... or node=NAME down|up")
         head = words[0]
         if "=" not in head:
             words[0] = f"link={head}"
+        # Faults of the lab only (the simulator has no such events): spike=N, stall=S.
+        faults = {w.partition("=")[0]: w.partition("=")[2] for w in words if "=" in w}
+        words = [w for w in words if w.partition("=")[0] not in ("spike", "stall")]
+        if "stall" in faults:
+            return self._set_stall(text, words, faults["stall"])
+        spike: int | None = None
+        if "spike" in faults:
+            try:
+                spike = parse_spike(faults["spike"])
+            except InputError as exc:
+                raise InputError(f"lab {self.plan.name}: {exc.message}") from None
+            if not words[0].startswith("link="):
+                raise InputError(f"lab {self.plan.name}: spike= is for a link: a-b spike=20")
+        only_spike = spike is not None and len(words) == 1
+        if only_spike:
+            words.append("delay=0")  # a placeholder change, dropped below
         line = "at=0 " + " ".join(words)
         try:
             (event,) = resolve_event_links([parse_event(line)], self.topo.names)
@@ -624,8 +656,61 @@ class Lab:
             # The event parser's words, in the terms of this command.
             msg = exc.message.replace(f"event {line!r}", repr(text)).replace("bad event", "bad")
             raise InputError(f"lab {self.plan.name}: {msg}") from None
+        if spike is not None:
+            changes = {} if only_spike else dict(event.changes)
+            event = dataclasses.replace(event, text=text, changes={**changes, "spike": spike})
         self.apply(event)
         return event
+
+    def _set_stall(self, text: str, words: list[str], value: str) -> Event:
+        """``node=c stall=2s``: stop the node's processes for that long (:meth:`stall`)."""
+        node = words[0].partition("=")[2] if words[0].startswith("node=") else ""
+        if len(words) != 1 or node not in self.topo.names:
+            raise InputError(f"lab {self.plan.name}: {text!r}: stall is node=NAME stall=2s")
+        try:
+            seconds = parse_duration_s(value, "stall")
+        except InputError as exc:
+            raise InputError(f"lab {self.plan.name}: {exc.message}") from None
+        self.stall(node, seconds)
+        return Event(0.0, text, node=node)
+
+    def stall(
+        self,
+        node: str,
+        seconds: float,
+        *,
+        agent_only: bool = False,
+        pids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """SIGSTOP ``node``'s processes for ``seconds``, then SIGCONT: a VM that loses the
+        CPU. Every process this lab runs in the node's namespace (its agent and its
+        wireguard-go: packets through it are held, then delivered at once), or only its
+        agent, or ``pids``; only processes tagged with this lab are ever touched. Returns
+        the PIDs that were stalled."""
+        if not 0 < seconds <= 600:
+            raise InputError(f"lab {self.plan.name}: stall of {seconds:g} s: give 0 < S <= 600")
+        lab_id = self.plan.lab_id
+        if pids is None:
+            pids = [
+                pid
+                for pid in _pids_in_netns([self.netns(node)])
+                if not agent_only or (b"agent" in _cmdline(pid) and b"meshopt" in _cmdline(pid))
+            ]
+        ours = [pid for pid in pids if procs.lab_of(pid) == lab_id]
+        if not ours:
+            raise InputError(f"lab {self.plan.name}: node {node} runs no process of this lab")
+        stopped: list[int] = []
+        try:
+            for pid in ours:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+            time.sleep(seconds)
+        finally:
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        return stopped
 
     def apply(self, ev: Event) -> None:
         client = self.emulator
@@ -650,7 +735,11 @@ class Lab:
                 if loss is not None:
                     client.set([(x, y)], loss=loss)
             save(self.state)
-        ch = ev.changes
+        ch = dict(ev.changes)
+        if "spike" in ch:
+            if not isinstance(client, EmulatorClient):
+                raise InputError(f"lab {self.plan.name}: spike= needs the emulator underlay")
+            client.set(pairs, spike=int(ch.pop("spike")))
         if ch:
             kwargs: dict[str, Any] = {
                 "delay_ms": ch.get("delay_ms"),

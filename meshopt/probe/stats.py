@@ -3,65 +3,47 @@
 Two kinds of figure:
 
 * over the last ``window`` probes with an outcome: loss, min / median / p95 RTT;
-* smoothed over time, the same estimator the simulator runs for every link
-  (:mod:`meshopt.sim.estimator`): ``srtt`` is an EWMA with a half-life of
-  ``half_life_s`` (one weight per sample, from the probe interval), ``rtt_std_ms`` the
-  standard deviation of the samples from West's incremental EWMA of squared
-  deviations, and ``noise_ms`` the standard deviation of ``srtt`` itself — what the
-  anti-flap policy compares gains with. The warm-up corrections are the simulator's own
-  tables, so an agent and a simulation of it report the same noise.
+* smoothed over time by the one estimator of :mod:`meshopt.estimate` (the simulator
+  runs the same one for every link): ``srtt_ms`` is the robust EWMA of RTT samples
+  (half-life ``half_life_s``; samples far outside the link's spread, such as a stall's
+  or a spike's, are rejected unless they persist), ``rtt_std_ms`` the standard
+  deviation of the samples (the one meaning of jitter), ``noise_ms`` the standard
+  deviation of ``srtt_ms`` itself (what the anti-flap policy compares gains with),
+  ``srtt_mean_ms`` the plain EWMA of every sample, for comparison.
 
-``jitter_ms`` is RFC 3550's interarrival jitter over consecutive RTT samples:
-``J += (|D| - J) / 16`` with ``D`` the difference of two consecutive RTTs.
+``jitter_ms`` is RFC 3550's interarrival jitter over consecutive accepted samples
+(``J += (|D| - J) / 16``), kept while telemetry carries it; σ is ``rtt_std_ms``.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import statistics
 from dataclasses import dataclass
 
-DEFAULT_HALF_LIFE_S = 2.0  # the simulator's rtt_half_life_s
-# The simulator's warm-up tables (meshopt.sim.estimator), computed here in plain Python
-# with the same formulas: the agent must not load numpy (~15 MB of RSS per node).
-# tests/unit/test_agent_imports.py checks both agree (to a rounding of numpy's pow).
-_TABLE = 1024
+from meshopt.estimate import (
+    DEFAULT_HALF_LIFE_S,
+    TABLE,
+    RobustConfig,
+    RttEstimator,
+    alpha_for,
+    quantile,
+    tables,
+    warm_up_tables,
+)
 
+__all__ = [
+    "DEFAULT_HALF_LIFE_S",
+    "PeerWindow",
+    "ProbeStats",
+    "RobustConfig",
+    "alpha_for",
+    "quantile",
+]
 
-def alpha_for(half_life_s: float, interval_s: float) -> float:
-    """EWMA weight per sample that halves an old value's influence in ``half_life_s``."""
-    if half_life_s <= 0:
-        return 1.0
-    return float(1.0 - 0.5 ** (interval_s / half_life_s))
-
-
-def _warm_up_tables(a: float) -> tuple[list[float], list[float]]:
-    """``share[k]`` and ``var_gain[k]`` of meshopt.sim.estimator._warm_up_tables."""
-    share: list[float] = []
-    for k in range(_TABLE):
-        decay = (1.0 - a) ** (2 * max(k - 1, 0))
-        share.append(decay + a * a * (1.0 - decay) / (1.0 - (1.0 - a) ** 2))
-    gain = [0.0] * _TABLE
-    for i in range(2, _TABLE):
-        gain[i] = (1.0 - a) * (gain[i - 1] + a * (1.0 + share[i - 1]))
-    return share, gain
-
-
-def quantile(ordered: list[int] | list[float], q: float) -> float:
-    """The ``q`` quantile of sorted values, linear between closest ranks (numpy's default)."""
-    if not ordered:
-        raise ValueError("quantile of no values")
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return float(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
-
-
-@functools.lru_cache(maxsize=16)
-def _tables(a: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    share, gain = _warm_up_tables(a)
-    return tuple(float(x) for x in share), tuple(float(x) for x in gain)
+# The names tests/unit/test_agent_imports.py compares with the simulator's.
+_TABLE = TABLE
+_warm_up_tables = warm_up_tables
+_tables = tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +56,13 @@ class ProbeStats:
     rtt_min_ms: float | None
     rtt_median_ms: float | None
     rtt_p95_ms: float | None
-    srtt_ms: float | None
-    jitter_ms: float | None  # RFC 3550
+    srtt_ms: float | None  # robust: stalls and spikes rejected (meshopt.estimate)
+    jitter_ms: float | None  # RFC 3550, over accepted samples
     noise_ms: float | None  # standard deviation of srtt_ms
     last_rtt_ms: float | None
-    rtt_std_ms: float | None = None  # standard deviation of the samples (the metric's jitter)
+    rtt_std_ms: float | None = None  # standard deviation of the samples (the one jitter)
+    srtt_mean_ms: float | None = None  # plain EWMA of every sample
+    outliers: int = 0  # samples the estimator rejected since the window was created
 
 
 class PeerWindow:
@@ -90,6 +74,7 @@ class PeerWindow:
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         *,
         interval_s: float = 0.33,
+        robust: RobustConfig | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1, got {window}")
@@ -97,22 +82,18 @@ class PeerWindow:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.window = window
         self.alpha = alpha_for(half_life_s, interval_s)
-        self._share, self._gain = _tables(self.alpha)
+        self._share, self._gain = tables(self.alpha)
+        self.estimator = RttEstimator(self.alpha, robust)
         self._outcomes: dict[int, float | None] = {}  # seq -> RTT ms, None if lost
         self.sent = 0
         self.received = 0
         self.lost = 0
         self.last_reply_at: float | None = None
         self.last_loss_at: float | None = None
-        self.reset_smoothing()
 
     def reset_smoothing(self) -> None:
         """Start the smoothed figures afresh (a peer that comes back after being dead)."""
-        self._srtt: float | None = None
-        self._var = 0.0  # EWMA of squared deviations, before the warm-up correction
-        self._k = 0  # samples since the smoothing (re)started
-        self._jitter = 0.0
-        self._last_rtt: float | None = None
+        self.estimator.reset()
 
     def add_sent(self, seq: int, now: float) -> None:
         self.sent += 1
@@ -123,17 +104,7 @@ class PeerWindow:
             return False
         self.received += 1
         self.last_reply_at = now
-        if self._srtt is None:
-            self._srtt, self._var, self._k = rtt_ms, 0.0, 1
-        else:
-            a = self.alpha
-            dev = rtt_ms - self._srtt
-            self._var = (1.0 - a) * (self._var + a * dev * dev)
-            self._srtt += a * dev
-            self._k += 1
-        if self._last_rtt is not None:
-            self._jitter += (abs(rtt_ms - self._last_rtt) - self._jitter) / 16.0
-        self._last_rtt = rtt_ms
+        self.estimator.add(rtt_ms, now)
         return True
 
     def add_loss(self, seq: int, now: float) -> bool:
@@ -156,13 +127,7 @@ class PeerWindow:
         rtts = sorted(r for r in self._outcomes.values() if r is not None)
         outcomes = len(self._outcomes)
         lost = outcomes - len(rtts)
-        k = min(self._k, _TABLE - 1)
-        std: float | None = None
-        noise: float | None = None
-        if self._srtt is not None:
-            gain = self._gain[k]
-            std = math.sqrt(self._var / gain) if gain > 0 else 0.0
-            noise = std * math.sqrt(self._share[k])
+        est = self.estimator
         return ProbeStats(
             sent=self.sent,
             received=self.received,
@@ -172,9 +137,11 @@ class PeerWindow:
             rtt_min_ms=rtts[0] if rtts else None,
             rtt_median_ms=statistics.median(rtts) if rtts else None,
             rtt_p95_ms=quantile(rtts, 0.95) if rtts else None,
-            srtt_ms=self._srtt,
-            jitter_ms=self._jitter if self._srtt is not None else None,
-            noise_ms=noise,
-            last_rtt_ms=self._last_rtt,
-            rtt_std_ms=std,
+            srtt_ms=est.srtt_ms,
+            jitter_ms=est.rfc3550_ms(),
+            noise_ms=est.noise(),
+            last_rtt_ms=est.last_ms(),
+            rtt_std_ms=est.std(),
+            srtt_mean_ms=est.mean_ms,
+            outliers=est.outliers,
         )

@@ -1,21 +1,24 @@
 """What the agents would estimate from their probes, for every link at once.
 
-The same estimator an agent runs per peer, vectorised over an n×n matrix:
+The estimator of :mod:`meshopt.estimate` (the one an agent runs per peer), vectorised
+over an n×n matrix; its tables and rules come from there, so an agent and a simulation
+of it report the same figures:
 
-* ``srtt``: an EWMA of RTT samples (half-life ``rtt_half_life_s``), started at
-  the first sample of a link (or the first after it was dead);
-* ``jitter``: the standard deviation of the RTT samples, from an EWMA of the
-  squared deviations with the same weight (West's incremental form). That is
-  the quantity the metric and the topology files call jitter (a topology's
-  per-direction jitter is the standard deviation of the one-way delay, so a
-  round trip's is the root sum of squares of both directions). The EWMA starts
-  at 0 and early deviations are taken from a young srtt; both are corrected
-  (exactly, for independent samples) so that a link's jitter is about right
-  from its second sample on instead of creeping up over tens of samples;
+* ``srtt``: the EWMA of RTT samples (half-life ``rtt_half_life_s``), started at the
+  first sample of a link (or the first after it was dead). With ``robust`` (the
+  agent's :class:`~meshopt.estimate.RobustConfig`) it is the agent's robust EWMA: a
+  sample further than ``k`` scales from it is rejected unless it is part of a
+  confirmed change (:func:`~meshopt.estimate.confirmed_change`), and the warm-up is
+  checked for spikes (:func:`~meshopt.estimate.warm_up_restart`). A simulated round
+  has one sample per link, so each outlier is its own group. The default is
+  :data:`~meshopt.estimate.PLAIN` (every sample accepted) until the engine adopts it;
+* ``jitter``: the standard deviation σ of the accepted RTT samples (West's incremental
+  EWMA of squared deviations with the warm-up corrections), the one meaning of jitter
+  (topology files give σ of the one-way delay, so a round trip's is the root sum of
+  squares of both directions);
 * ``loss``: an EWMA of lost probes (half-life ``loss_half_life_s``), starting at 0;
 * ``noise()``: the standard deviation of ``srtt`` itself, which is what the
-  anti-flap policy compares gains with. It is larger while a link has few
-  samples and shrinks to
+  anti-flap policy compares gains with: ``jitter × sqrt(share[k])``, shrinking to
   ``jitter × sqrt(a / (2 - a))`` in steady state;
 * ``loss_noise()``: the standard deviation of ``loss`` (an EWMA of Bernoulli
   samples), which matters as much as RTT noise on lossy links: a 2 % lossy
@@ -30,41 +33,29 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from meshopt.estimate import (
+    PLAIN,
+    TABLE,
+    RobustConfig,
+    alpha_for,
+    confirmed_change,
+    mad_sigma,
+    warm_up_restart,
+    warm_up_tables,
+)
+
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 
+__all__ = ["LinkEstimator", "alpha_for"]
 
-_TABLE = 1024  # samples after which the warm-up corrections are at their steady values
+_TABLE = TABLE
 
 
 def _warm_up_tables(a: float) -> tuple[FloatArray, FloatArray]:
-    """How the EWMAs behave after k samples of a link, for k = 0 .. _TABLE - 1.
-
-    ``share[k]``: variance of srtt (started at the first sample, then
-    ``srtt += a (x - srtt)``) as a fraction of the samples' variance:
-    ``(1-a)^(2(k-1)) + a^2 (1 - (1-a)^(2(k-1))) / (1 - (1-a)^2)``, 1 at k = 1 and
-    ``a / (2 - a)`` in steady state.
-
-    ``var_gain[k]``: expected value of the variance EWMA
-    (``var = (1-a) (var + a dev^2)``, 0 at the first sample) as a fraction of the
-    samples' variance. Each deviation is measured from the srtt before it, so its
-    expected square is ``1 + share[k-1]``: early deviations are larger, which an
-    estimate that only undid the EWMA's start at zero would count as jitter.
-    """
-    k = np.arange(_TABLE)
-    decay = (1.0 - a) ** (2 * np.maximum(k - 1, 0))
-    share = decay + a * a * (1.0 - decay) / (1.0 - (1.0 - a) ** 2)
-    gain = np.zeros(_TABLE)
-    for i in range(2, _TABLE):
-        gain[i] = (1.0 - a) * (gain[i - 1] + a * (1.0 + share[i - 1]))
-    return share, gain
-
-
-def alpha_for(half_life_s: float, interval_s: float) -> float:
-    """EWMA weight per sample that halves an old value's influence in ``half_life_s``."""
-    if half_life_s <= 0:
-        return 1.0
-    return float(1.0 - 0.5 ** (interval_s / half_life_s))
+    """:func:`meshopt.estimate.warm_up_tables` as arrays."""
+    share, gain = warm_up_tables(a)
+    return np.array(share, dtype=np.float64), np.array(gain, dtype=np.float64)
 
 
 @dataclass
@@ -73,6 +64,9 @@ class LinkEstimator:
     rtt_half_life_s: float = 2.0
     loss_half_life_s: float = 10.0
     dead_after: int = 4
+    # The agent's outlier rule (RobustConfig()) is opt-in here until the engine and its
+    # tests expect a change to show on the third probe, not the first (docs/estimator.md).
+    robust: RobustConfig = PLAIN
 
     def __post_init__(self) -> None:
         self.a_rtt = alpha_for(self.rtt_half_life_s, self.interval_s)
@@ -82,30 +76,100 @@ class LinkEstimator:
         self.var: FloatArray = np.empty((0, 0))  # EWMA of squared deviations, uncorrected
         self.loss: FloatArray = np.empty((0, 0))
         self.samples: npt.NDArray[np.int64] = np.empty((0, 0), dtype=np.int64)
+        self.accepted: npt.NDArray[np.int64] = np.empty((0, 0), dtype=np.int64)
         self.misses: npt.NDArray[np.int32] = np.empty((0, 0), dtype=np.int32)
+        self.pending: npt.NDArray[np.int32] = np.empty((0, 0), dtype=np.int32)
+        self.pending_values: FloatArray = np.empty((0, 0, 0))
+        self.outliers: npt.NDArray[np.int64] = np.empty((0, 0), dtype=np.int64)
+
+    @property
+    def _checks_warm_up(self) -> bool:
+        return 0 < self.robust.warmup <= 64
 
     def reset(self, n: int) -> None:
         self.srtt = np.full((n, n), np.nan)
         self.var = np.zeros((n, n))
         self.loss = np.zeros((n, n))
-        self.samples = np.zeros((n, n), dtype=np.int64)  # since the link was (re)started
+        self.samples = np.zeros((n, n), dtype=np.int64)  # in the current level
+        self.accepted = np.zeros((n, n), dtype=np.int64)  # since the link (re)started
         self.misses = np.zeros((n, n), dtype=np.int32)
+        self.pending = np.zeros((n, n), dtype=np.int32)  # consecutive outliers
+        self.pending_values = np.zeros((n, n, 2 * self.robust.confirm))
+        self.outliers = np.zeros((n, n), dtype=np.int64)
+        # The warm-up's samples, only where they are checked (estimate.warm_up_restart).
+        self.warm = np.zeros((n, n, self.robust.warmup if self._checks_warm_up else 0))
 
     def update(self, sample: FloatArray, lost: BoolArray) -> None:
         """One probe round: ``sample`` RTTs (ignored where ``lost``)."""
+        cfg = self.robust
         got = ~lost
         fresh = got & (np.isnan(self.srtt) | (self.misses >= self.dead_after))
         # A link that comes back (or is new) starts from its first sample.
         self.srtt = np.where(fresh, sample, self.srtt)
         self.var = np.where(fresh, 0.0, self.var)
-        self.samples = np.where(fresh, 0, self.samples) + got
+        self.samples = np.where(fresh, 1, self.samples)
+        self.accepted = np.where(fresh, 1, self.accepted)
+        self.pending = np.where(fresh, 0, self.pending).astype(np.int32)
         upd = got & ~fresh
         dev = sample - self.srtt
+        scale = np.maximum(
+            np.maximum(self.jitter, cfg.min_scale_ms), cfg.min_scale_rel * np.nan_to_num(self.srtt)
+        )  # estimate.scale_of, vectorised
+        with np.errstate(invalid="ignore"):
+            out = upd & (self.accepted >= cfg.warmup) & (np.abs(dev) > cfg.k * scale)
+        acc = upd & ~out
+        # Outliers: remembered; a confirmed change restarts the link (estimate.py's rule).
+        if out.any():
+            ii, jj = np.nonzero(out)
+            self.pending_values[ii, jj, self.pending[ii, jj]] = sample[ii, jj]
+            self.pending = np.where(out, self.pending + 1, self.pending).astype(np.int32)
+            self.outliers += out
+            for i, j in zip(ii.tolist(), jj.tolist(), strict=True):
+                self._restart(i, j, float(scale[i, j]))
+        self.pending = np.where(acc, 0, self.pending).astype(np.int32)
         a = self.a_rtt
-        self.var = np.where(upd, (1 - a) * (self.var + a * dev * dev), self.var)
-        self.srtt = np.where(upd, self.srtt + a * dev, self.srtt)
+        self.var = np.where(acc, (1 - a) * (self.var + a * dev * dev), self.var)
+        self.srtt = np.where(acc, self.srtt + a * dev, self.srtt)
+        self.samples = self.samples + acc
+        self.accepted = self.accepted + acc
+        if self._checks_warm_up:  # the accepted-th sample goes to slot accepted - 1
+            took = (acc | fresh) & (self.accepted <= cfg.warmup)
+            if took.any():
+                ii, jj = np.nonzero(took)
+                self.warm[ii, jj, self.accepted[ii, jj] - 1] = sample[ii, jj]
+        if self._checks_warm_up:
+            ready = (acc | fresh) & (self.accepted == cfg.warmup)
+            for i, j in zip(*(x.tolist() for x in np.nonzero(ready)), strict=True):
+                self._reseed(i, j)
         self.loss += self.a_loss * (lost.astype(np.float64) - self.loss)
         self.misses = np.where(lost, self.misses + 1, 0).astype(np.int32)
+
+    def _restart(self, i: int, j: int, scale: float) -> None:
+        """Link (i, j)'s outliers so far, if they are a real change (estimate.py)."""
+        pending = self.pending_values[i, j, : self.pending[i, j]].tolist()
+        change = confirmed_change(pending, float(self.srtt[i, j]), scale, self.robust)
+        if change is None:
+            return
+        level, values = change
+        sigma = max(float(self.jitter[i, j]), mad_sigma(values))
+        k = len(values)
+        self.srtt[i, j] = level
+        self.samples[i, j] = k
+        self.var[i, j] = sigma * sigma * self._var_gain[min(k, _TABLE - 1)]
+        self.pending[i, j] = 0
+
+    def _reseed(self, i: int, j: int) -> None:
+        """The end of link (i, j)'s warm-up: restart if a sample was far off."""
+        values = self.warm[i, j, :].tolist()
+        restart = warm_up_restart(values, self.robust)
+        if restart is None:
+            return
+        level, kept = restart
+        sigma = mad_sigma(kept)
+        self.srtt[i, j] = level
+        self.samples[i, j] = len(kept)
+        self.var[i, j] = sigma * sigma * self._var_gain[min(len(kept), _TABLE - 1)]
+        self.outliers[i, j] += len(values) - len(kept)
 
     @property
     def jitter(self) -> FloatArray:

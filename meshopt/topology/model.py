@@ -55,6 +55,9 @@ class Topology:
     rate_mbit: FloatMatrix
     tunnels: BoolMatrix
     source: str = "<memory>"
+    # A lab fault, not a property of the path: one packet in N held 100-300 ms (0: off).
+    # Only the lab's emulator applies it; the simulator does not model it.
+    spike: FloatMatrix | None = None
     _index: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,7 +65,8 @@ class Topology:
         self._index = {node.name: i for i, node in enumerate(self.nodes)}
         if len(self._index) != n:
             raise TopologyError("duplicate node names", source=self.source)
-        for m in (self.delay_ms, self.jitter_ms, self.loss, self.rate_mbit, self.tunnels):
+        spike = () if self.spike is None else (self.spike,)
+        for m in (self.delay_ms, self.jitter_ms, self.loss, self.rate_mbit, self.tunnels, *spike):
             if m.shape != (n, n):
                 raise TopologyError(f"matrix shape {m.shape} != ({n}, {n})", source=self.source)
         np.fill_diagonal(self.tunnels, False)
@@ -184,6 +188,7 @@ class Topology:
             rate_mbit=self.rate_mbit.copy(),
             tunnels=self.tunnels.copy(),
             source=self.source,
+            spike=None if self.spike is None else self.spike.copy(),
         )
 
     def rounded(self, ms_decimals: int = 3) -> Topology:

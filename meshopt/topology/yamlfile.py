@@ -34,11 +34,11 @@ from meshopt.topology.geo import distance_matrix_km, fibre_delay_ms
 from meshopt.topology.limits import Limits, inner_path, read_input
 from meshopt.topology.model import NODE_NAME, FloatMatrix, Node, Topology
 from meshopt.topology.names import NAME_RULE, split_link
-from meshopt.units import parse_loss, parse_rate_mbit, parse_time_ms
+from meshopt.units import parse_loss, parse_rate_mbit, parse_spike, parse_time_ms
 
 TOP_KEYS = ("name", "description", "defaults", "nodes", "underlay", "tunnels", "geo_delay")
 NODE_KEYS = ("address", "site", "lat", "lon")
-LINK_KEYS = ("delay", "jitter", "loss", "rate")
+LINK_KEYS = ("delay", "jitter", "loss", "rate", "spike")  # spike: a lab fault (1/N)
 UNLIMITED = "unlimited"  # rate with no limit (the default when no rate is given)
 
 Props = dict[str, float]  # subset of LINK_KEYS -> value in ms, fraction or Mbit/s
@@ -312,6 +312,8 @@ class _Reader:
                 return parse_loss(value)
             if key == "rate":
                 return math.inf if value == UNLIMITED else parse_rate_mbit(value)
+            if key == "spike":
+                return float(parse_spike(value))
             return parse_time_ms(value, key)
         except InputError as e:
             raise self.error(e.message, node) from None
@@ -502,13 +504,14 @@ class _Builder:
             "jitter": np.full((n, n), defaults.get("jitter", 0.0)),
             "loss": np.full((n, n), defaults.get("loss", 0.0)),
             "rate": np.full((n, n), defaults.get("rate", math.inf)),
+            "spike": np.full((n, n), defaults.get("spike", 0.0)),
         }
         for (i, j), props in pairs.both.items():
             _apply(mats, i, j, props)
             _apply(mats, j, i, props)
         for (i, j), props in pairs.one_way.items():
             _apply(mats, i, j, props)
-        for m, diag in zip(mats.values(), (0.0, 0.0, 0.0, math.inf), strict=True):
+        for m, diag in zip(mats.values(), (0.0, 0.0, 0.0, math.inf, 0.0), strict=True):
             np.fill_diagonal(m, diag)
         self.check_delays(delay, nodes, where)
         tun = np.ones((n, n), dtype=bool) if tunnels is None else np.zeros((n, n), dtype=bool)
@@ -523,6 +526,7 @@ class _Builder:
             rate_mbit=mats["rate"],
             tunnels=tun,
             source=self.r.source,
+            spike=mats["spike"] if mats["spike"].any() else None,
         )
 
     def check_delays(self, delay: FloatMatrix, nodes: list[Node], where: yaml.Node) -> None:
@@ -580,10 +584,16 @@ def dump_yaml(topo: Topology) -> str:
         "loss": topo.loss,
         "rate": topo.rate_mbit,
     }
+    if topo.spike is not None:
+        mats["spike"] = topo.spike
     defaults = {key: _mode(m) for key, m in mats.items()}
     doc: dict[str, object] = {
         "name": topo.name,
-        "defaults": {k: _format(k, v) for k, v in defaults.items() if v != math.inf},
+        "defaults": {
+            k: _format(k, v)
+            for k, v in defaults.items()
+            if v != math.inf and not (k == "spike" and v == 0)
+        },
         "nodes": {nd.name: _node_dict(nd) for nd in topo.nodes},
     }
     underlay = _underlay_dict(topo, mats, defaults)
@@ -609,6 +619,7 @@ def _check_saveable(topo: Topology) -> None:
         ("delay", topo.delay_ms, 0.0, math.inf),
         ("jitter", topo.jitter_ms, 0.0, math.inf),
         ("loss", topo.loss, 0.0, 1.0),
+        *(() if topo.spike is None else (("spike", topo.spike, 0.0, 1e6),)),
     )
     for what, m, lo, hi in checks:
         v = m[off]
@@ -665,6 +676,8 @@ def _format(key: str, value: float) -> object:
         return f"{_num(value)}ms"
     if key == "rate":
         return f"{_num(value)}Mbit" if value != math.inf else UNLIMITED
+    if key == "spike":
+        return int(value) if value else "off"
     percent = f"{_num(value * 100)}%"
     return percent if parse_loss(percent) == value else value
 

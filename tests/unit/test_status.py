@@ -221,6 +221,6 @@ def test_refused_routes_are_shown(tmp_path: Path, capsys: pytest.CaptureFixture[
     refused = "10.9.0.1/32 dev wg0 table 7701: no interface wg0"
     write_status(path, status(routes=[], apply_errors=[refused]))
     code, out, _ = run(capsys, "--state", str(path))
-    assert "refused by the kernel: " + refused in out
-    code, out, _ = run(capsys, "--state", str(path), "--json")
+    assert code == 0 and "refused by the kernel: " + refused in out
+    _, out, _ = run(capsys, "--state", str(path), "--json")
     assert json.loads(out)["apply_errors"] == [refused]

@@ -1,0 +1,211 @@
+"""The one estimator (meshopt.estimate): spikes and stalls ignored, real steps followed,
+the same figures in the prober's per-peer form and the simulator's vectorised form."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from meshopt.errors import InputError
+from meshopt.estimate import (
+    PLAIN,
+    RFC3550_PER_SIGMA,
+    RobustConfig,
+    RttEstimator,
+    alpha_for,
+    path_cost_ms,
+    path_jitter_ms,
+    staleness_factor,
+)
+from meshopt.probe.stats import PeerWindow
+from meshopt.sim.estimator import LinkEstimator
+
+A = alpha_for(2.0, 0.33)
+IV = 0.33
+
+
+def warm(est: RttEstimator, n: int = 30, level: float = 10.0, t0: float = 0.0) -> float:
+    """Feed ``n`` samples alternating level ± 0.2 ms; returns the next arrival time."""
+    t = t0
+    for i in range(n):
+        est.add(level + (0.2 if i % 2 else -0.2), t)
+        t += IV
+    return t
+
+
+def test_a_spike_changes_nothing() -> None:
+    est = RttEstimator(A)
+    t = warm(est)
+    before = (est.srtt_ms, est.std(), est.rfc3550_ms())
+    assert not est.add(250.0, t)
+    assert (est.srtt_ms, est.std(), est.rfc3550_ms()) == before
+    assert est.outliers == 1 and est.changes == 0
+    assert est.mean_ms is not None and est.mean_ms > 30.0  # the plain EWMA took ~11 %
+
+
+def test_a_stall_burst_is_one_group_and_changes_nothing() -> None:
+    est = RttEstimator(A)
+    t = warm(est)
+    # A 2 s stall: six replies held, then delivered within a millisecond.
+    for k, rtt in enumerate((990.0, 670.0, 340.0, 20.0 + 300.0, 200.0, 120.0)):
+        assert not est.add(rtt, t + 2.0 + k * 1e-4)
+    assert est.changes == 0
+    assert est.add(10.1, t + 2.3)
+    assert est.srtt_ms == pytest.approx(10.0, abs=0.1)
+
+
+def test_a_real_step_shows_on_the_third_sample() -> None:
+    est = RttEstimator(A)
+    t = warm(est)
+    assert not est.add(15.1, t)
+    assert not est.add(14.9, t + IV)
+    assert est.srtt_ms == pytest.approx(10.0, abs=0.1)  # two samples: not yet
+    assert not est.add(15.0, t + 2 * IV)
+    assert est.srtt_ms == 15.0 and est.changes == 1  # the median of the three
+    assert est.add(15.2, t + 3 * IV)  # the new level accepts its own samples
+    assert est.std() == pytest.approx(0.2, abs=0.1)  # σ kept, not the step's size
+
+
+def test_a_step_interleaved_with_a_spike_still_shows() -> None:
+    est = RttEstimator(A)
+    t = warm(est)
+    for k, x in enumerate((15.1, 212.0, 14.9, 15.0)):
+        est.add(x, t + k * IV)
+    assert est.srtt_ms == 15.0 and est.changes == 1
+
+
+def test_spikes_that_do_not_agree_do_not_make_a_step() -> None:
+    est = RttEstimator(A)
+    t = warm(est)
+    for k, x in enumerate((110.0, 290.0, 190.0)):
+        est.add(x, t + k * IV)
+    assert est.changes == 0 and est.srtt_ms == pytest.approx(10.0, abs=0.1)
+
+
+def test_sigma_follows_a_link_that_became_jittery() -> None:
+    rng = random.Random(5)
+    est = RttEstimator(A)
+    t = warm(est)
+    for _ in range(600):
+        est.add(10.0 + rng.gauss(0.0, 3.0), t)
+        t += IV
+    assert est.std() == pytest.approx(3.0, rel=0.35)
+    assert est.srtt_ms == pytest.approx(10.0, abs=1.5)
+
+
+def test_a_spike_in_the_warm_up_is_dropped_when_it_ends() -> None:
+    est = RttEstimator(A)
+    est.add(250.0, 0.0)  # the very first sample
+    t = IV
+    for i in range(7):
+        est.add(10.0 + (0.2 if i % 2 else -0.2), t)
+        t += IV
+    assert est.srtt_ms == pytest.approx(10.0, abs=0.2)
+    assert est.std() is not None and est.std() < 1.0  # type: ignore[operator]
+    assert est.outliers == 1
+    assert not est.add(260.0, t)  # and later spikes are outliers
+
+
+def test_plain_is_the_ewma_of_every_sample() -> None:
+    est = RttEstimator(0.5, PLAIN)
+    for i, x in enumerate((10.0, 12.0, 11.0, 15.0, 300.0)):
+        assert est.add(x, float(i))
+    assert est.srtt_ms == pytest.approx(((11.0 + 0.0) * 0.5 + 7.5) * 0.5 + 150.0)
+    assert est.srtt_ms == est.mean_ms
+
+
+def test_peer_window_publishes_the_robust_estimate() -> None:
+    w = PeerWindow(interval_s=IV)
+    for seq in range(40):
+        w.add_sent(seq, seq * IV)
+        rtt = 260.0 if seq == 30 else 10.0 + (0.2 if seq % 2 else -0.2)
+        w.add_reply(seq, rtt, seq * IV + 0.01)
+    s = w.stats()
+    assert s.srtt_ms == pytest.approx(10.0, abs=0.1)
+    assert s.rtt_std_ms is not None and s.rtt_std_ms < 0.5
+    assert s.jitter_ms is not None and s.jitter_ms < 0.5  # RFC 3550 skips it too
+    assert s.srtt_mean_ms is not None and s.srtt_mean_ms > 15.0  # 9 samples later
+    assert s.outliers == 1 and s.samples == 40  # the window still counts it
+
+
+def test_the_simulator_runs_the_same_estimator() -> None:
+    """Spikes, a warm-up spike, losses and a step: the vectorised form gives the same
+    srtt, σ and noise as one RttEstimator per link, to the last bit that matters."""
+    rng = random.Random(3)
+    cfg = RobustConfig()
+    n = 3
+    sim = LinkEstimator(IV, robust=cfg, dead_after=10**6)
+    sim.reset(n)
+    ref = [[RttEstimator(alpha_for(2.0, IV), cfg) for _ in range(n)] for _ in range(n)]
+    for r in range(900):
+        x = np.array(
+            [
+                [
+                    (10.0 + 5 * (i + j)) * (1.5 if r > 450 and i == 0 else 1.0)
+                    + rng.gauss(0.0, 0.5)
+                    + (rng.uniform(100.0, 300.0) if rng.random() < 0.1 else 0.0)
+                    for j in range(n)
+                ]
+                for i in range(n)
+            ]
+        )
+        if r < 2:
+            x[0, 1] += 200.0
+        lost = np.array([[rng.random() < 0.05 for _ in range(n)] for _ in range(n)])
+        sim.update(x, lost)
+        for i in range(n):
+            for j in range(n):
+                if not lost[i, j]:
+                    ref[i][j].add(float(x[i, j]), r * IV)
+        if r % 50 == 49:
+            for i in range(n):
+                for j in range(n):
+                    e = ref[i][j]
+                    assert e.srtt_ms == pytest.approx(sim.srtt[i, j], abs=1e-9)
+                    assert e.std() == pytest.approx(sim.jitter[i, j], abs=1e-9)
+                    assert e.noise() == pytest.approx(sim.noise()[i, j], abs=1e-9)
+    assert int(sim.outliers.sum()) == sum(ref[i][j].outliers for i in range(n) for j in range(n))
+    assert sim.srtt[0, 1] == pytest.approx(22.5, abs=1.0)  # followed the step
+
+
+def test_path_jitter_is_a_root_sum_square() -> None:
+    assert path_jitter_ms([3.0, 4.0]) == 5.0
+    assert path_jitter_ms([3.0, 3.0]) == pytest.approx(4.2426, abs=1e-4)
+    assert path_jitter_ms([]) == 0.0
+    assert path_cost_ms([10.0, 20.0], [3.0, 4.0], jitter_weight=2.0, relay_hop_ms=1.5) == 41.5
+    with pytest.raises(InputError):
+        path_cost_ms([10.0], [1.0, 2.0])
+
+
+def test_rfc3550_of_normal_samples_is_about_1_13_sigma() -> None:
+    rng = random.Random(9)
+    est = RttEstimator(A)
+    for i in range(20000):
+        est.add(50.0 + rng.gauss(0.0, 2.0), i * IV)
+    j, s = est.rfc3550_ms(), est.std()
+    assert j is not None and s is not None
+    assert j / s == pytest.approx(RFC3550_PER_SIGMA, rel=0.1)
+
+
+def test_staleness_and_age() -> None:
+    assert staleness_factor(5.0, 10.0, 30.0, 0.5) == 1.0
+    assert staleness_factor(20.0, 10.0, 30.0, 0.5) == 1.25
+    assert math.isinf(staleness_factor(31.0, 10.0, 30.0, 0.5))
+    est = RttEstimator(A)
+    assert est.age_s(5.0) is None
+    est.add(10.0, 2.0)
+    assert est.age_s(5.0) == 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"k": 0.0}, {"k": math.nan}, {"min_scale_ms": -1.0}, {"confirm": 0}, {"agree_rel": math.inf}],
+)
+def test_bad_configs_are_one_line_errors(kwargs: dict[str, float]) -> None:
+    with pytest.raises(InputError):
+        RobustConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(InputError):
+        RttEstimator(1.5)
