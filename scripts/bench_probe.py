@@ -56,6 +56,9 @@ PY = sys.executable
 IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps 12: a TCP segment's headers
 LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"  # the agent's logging asctime
 QUIET: dict[str, dict[str, Any]] = {"bandwidth": {"enabled": False}}
+# Figures 4 and 5 are the in-use class's (docs/probe-budget.md): without a controller or
+# traffic every link would be idle, so the budget is off and every peer probed fast.
+ALL_IN_USE: dict[str, dict[str, Any]] = {**QUIET, "probe": {"budget": False}}
 
 
 # --- pure helpers (tested in tests/unit/test_bench_probe.py) ---------------------------
@@ -598,7 +601,7 @@ def bench_bandwidth(lab: Lab, s: Settings) -> dict[str, Any]:
 
 def bench_agents(lab: Lab, s: Settings) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
-    procs = {n: start_agent(lab, n, sections=QUIET) for n in ("n1", "n2", "n3")}
+    procs = {n: start_agent(lab, n, sections=ALL_IN_USE) for n in ("n1", "n2", "n3")}
     try:
         ok = wait_for(lambda: _all_alive(lab, ("n1", "n2", "n3")), 30, step=1.0)
         if not ok:

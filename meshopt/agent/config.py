@@ -28,6 +28,7 @@ from meshopt.configfile import (
 )
 from meshopt.errors import InputError
 from meshopt.metrics import AgentMetricsSettings, parse_listen
+from meshopt.probe.budget import BudgetConfig
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 LAYOUTS = ("auto", "single", "per-peer")
@@ -42,6 +43,29 @@ class ProbeSettings:
     dead_after_s: float = 0.8
     window: int = 64
     port: int = 51899
+    # The probe budget (meshopt.probe.budget, docs/probe-budget.md): links in use at the
+    # rate above, idle ones every idle_interval_s, stretched to keep max_probes_per_s.
+    budget: bool = True
+    idle_interval_s: float = 2.0
+    idle_max_interval_s: float = 10.0
+    max_probes_per_s: float = 250.0
+    traffic_bytes_per_s: float = 1500.0  # WireGuard rx or tx above this: in use
+    in_use_hold_s: float = 30.0  # stays in use this long after it last was
+
+
+def probe_budget_config(pr: ProbeSettings) -> BudgetConfig | None:
+    """The budget for these settings; None when ``probe.budget`` is off."""
+    if not pr.budget:
+        return None
+    return BudgetConfig(
+        fast_interval_s=pr.interval_s,
+        fast_dead_after_s=pr.dead_after_s,
+        idle_interval_s=pr.idle_interval_s,
+        idle_max_interval_s=pr.idle_max_interval_s,
+        max_probes_per_s=pr.max_probes_per_s,
+        traffic_bytes_per_s=pr.traffic_bytes_per_s,
+        in_use_hold_s=pr.in_use_hold_s,
+    )
 
 
 @dataclass(frozen=True)
@@ -236,6 +260,10 @@ def check_config(cfg: AgentConfig) -> None:
         )
     except InputError as exc:
         raise InputError(exc.message.replace("probe config: ", "probe.", 1)) from None
+    try:
+        probe_budget_config(pr)
+    except InputError as exc:
+        raise InputError(exc.message.replace("probe budget: ", "probe.", 1)) from None
     for name, port in (
         ("probe.port", pr.port),
         ("bandwidth.port", cfg.bandwidth.port),

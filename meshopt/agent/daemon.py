@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from pyroute2.netlink.exceptions import NetlinkError
 
 from meshopt import sdnotify
-from meshopt.agent.config import AgentConfig, bulk_classifier
+from meshopt.agent.config import AgentConfig, bulk_classifier, probe_budget_config
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.netstate import NetState, Sysctls
 from meshopt.agent.peers import PeerTracker
@@ -48,6 +48,7 @@ from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
+from meshopt.probe.budget import BudgetPlan, ProbeBudget, TrafficMeter, route_hops
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import PeerSources, RateLimit, Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
@@ -148,6 +149,10 @@ class Agent:
             ),
             on_change=self._on_liveness,
         )
+        # Links in use probed fast, idle ones slowly (meshopt.probe.budget).
+        self.budget = ProbeBudget()
+        self.traffic = TrafficMeter()
+        self.probe_plan: BudgetPlan | None = None
         # Probe responders answer current peers only, within a budget (issue 12).
         self.responder = Responder(
             limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
@@ -376,8 +381,7 @@ class Agent:
                 interval_s=cfg.probe.interval_s,
                 dead_after_s=cfg.probe.dead_after_s,
             )
-            self.prober.config = pc
-            self.prober._min_unanswered = 2 if pc.dead_after_s >= 2 * pc.interval_s else 1
+            self.prober.reconfigure(pc)
         if cfg.log_level:
             logging.getLogger().setLevel(cfg.log_level.upper())
         warn_save_config(self.interfaces, cfg.layout)
@@ -415,6 +419,7 @@ class Agent:
                 self._sysctl_interfaces.add(ifname)
         added, removed = self.tracker.update(readings, self.clock(), self.wall())
         changed = bool(added or removed)
+        self._plan_probes()  # traffic moved the counters (or not) since the last poll
         for key in added:
             p = self.tracker.peers[key]
             if key not in self.state.baseline:
@@ -457,6 +462,7 @@ class Agent:
             Target(name=k, address=p.probe_address, scope=p.ifname)
             for k, p in self.tracker.peers.items()
         )
+        self._plan_probes()  # new peers get their class before their first probe
         if changed or self._allowed_ips_drift():
             self._wake.set()
         self._ready.set()
@@ -475,6 +481,27 @@ class Agent:
                 self.counters.count("poll_failed", str(exc))
 
     # --- routes -----------------------------------------------------------------------
+
+    def _plan_probes(self) -> None:
+        """Each peer's probe class and rate from the route set and the traffic (at once:
+        a link that becomes a next hop is probed fast from this call on)."""
+        budget = probe_budget_config(self.cfg.probe)
+        if budget is None:
+            if self.probe_plan is not None:  # switched off by a reload: all fast again
+                fast = self.prober.config.rate
+                self.prober.set_rates({k: fast for k in self.tracker.peers})
+                self.probe_plan = None
+            return
+        self.budget.config = budget
+        rs = self.route_set
+        peers = self.tracker.peers
+        # Before the first route set every link counts: the controller routes once it
+        # has a few samples of each, and idle probing would make it wait 8 x 2 s.
+        hops = route_hops(rs.routes) if rs is not None else set(peers)
+        now = self.clock()
+        traffic = self.traffic.update({k: (p.rx_bytes, p.tx_bytes) for k, p in peers.items()}, now)
+        self.probe_plan = self.budget.plan(peers, hops, traffic, now)
+        self.prober.set_rates(self.probe_plan.rates)
 
     def _on_liveness(self, key: str, alive: bool) -> None:
         last = self.prober.stats(key)
@@ -526,6 +553,7 @@ class Agent:
 
     async def apply(self) -> None:
         """Bring routes and AllowedIPs to the current plan (idempotent)."""
+        self._plan_probes()  # a new route set's next hops are probed fast from now
         plan = self._plan()
         for rej in plan.rejected:
             self.counters.count(f"route_{rej.reason}", f"{rej.route.dst} via {rej.route.via[:8]}")

@@ -85,6 +85,13 @@ class AgentCollector(Collector):
             "meshopt_peer_capacity_bytes_per_second", "Last packet-train capacity estimate."
         )
         hs = gauge("meshopt_peer_handshake_age_seconds", "Time since the last WireGuard handshake.")
+        in_use = gauge(
+            "meshopt_peer_probe_in_use", "1: probed fast (a next hop, or traffic), 0: idle."
+        )
+        every = gauge("meshopt_peer_probe_interval_seconds", "Time between probes to the peer.")
+        dead_after = gauge(
+            "meshopt_peer_probe_dead_after_seconds", "Silence after which the peer is dead."
+        )
         rx = CounterMetricFamily(
             "meshopt_peer_receive_bytes",
             "Bytes received from the peer (WireGuard).",
@@ -115,11 +122,21 @@ class AgentCollector(Collector):
                 cap.add_metric(labels, capacity.mbit * 1e6 / 8)
             if peer.handshake_age_s is not None:
                 hs.add_metric(labels, peer.handshake_age_s)
+            rate = a.prober.rate(key)
+            if rate is not None:
+                in_use.add_metric(labels, 1.0 if rate.cls == "in_use" else 0.0)
+                every.add_metric(labels, rate.interval_s)
+                dead_after.add_metric(labels, rate.dead_after_s)
             rx.add_metric(labels, float(peer.rx_bytes))
             tx.add_metric(labels, float(peer.tx_bytes))
         peers = GaugeMetricFamily("meshopt_peers", "WireGuard peers of this node.")
         peers.add_metric([], float(len(a.tracker.peers)))
         yield peers
+        probes = GaugeMetricFamily(
+            "meshopt_probes_per_second", "Probes per second at the current rates, all peers."
+        )
+        probes.add_metric([], a.prober.probes_per_s())
+        yield probes
         yield from fams.values()
         yield rx
         yield tx

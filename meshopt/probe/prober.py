@@ -41,6 +41,16 @@ Faster detection or fewer false alarms cost bytes: ``interval_s = 0.2`` with
 ``dead_after_s = 3.5`` costs 280 B/s and takes 3.5 s. :meth:`ProbeConfig.bytes_per_s`
 gives the figure for any setting.
 
+Per-peer rates (the probe budget)
+=================================
+Every peer starts at the config's rate. :meth:`Prober.set_rates` gives peers their own
+(:mod:`meshopt.probe.budget`: links in use fast, idle ones slowly); ``dead_after_s``
+and the two-unanswered-probes rule above then apply per peer, with its own interval and
+dead time, and a peer whose rate changes counts silence afresh from probes sent at the
+new rate. A peer promoted to a faster class is probed at once. Slower peers' sends
+land on a 50 ms grid (one wake-up carries many probes) and the schedule is kept in
+heaps, so a wake-up costs O(log n) per due event rather than a walk over every peer.
+
 Timing
 ======
 Send stamps are ``time.time_ns()`` (CLOCK_REALTIME, the kernel's receive-stamp clock)
@@ -64,18 +74,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import heapq
 import ipaddress
+import itertools
 import json
 import logging
+import math
 import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshopt.errors import InputError
+from meshopt.probe.budget import IN_USE, Rate
 from meshopt.probe.packet import (
     MAX_PADDING,
     MAX_PROBE_BYTES,
@@ -99,6 +114,7 @@ __all__ = ["PROBE_PORT", "ProbeConfig", "Prober", "Target"]
 DRAIN = 64  # datagrams read per wake-up before yielding to the loop
 RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and late replies
 SLACK_S = 0.001  # a timer that fires this early still counts as due
+GRID_S = 0.05  # slower peers' sends land on this grid: a few wake-ups carry many probes
 _SEQ_MOD = 2**32
 
 
@@ -137,6 +153,22 @@ class ProbeConfig:
         return probe_bytes_per_s(
             self.interval_s, self.padding, inner_ipv6=inner_ipv6, outer_ipv6=outer_ipv6
         )
+
+    @property
+    def rate(self) -> Rate:
+        """Every peer's rate until :meth:`Prober.set_rates` says otherwise."""
+        return Rate(IN_USE, self.interval_s, self.dead_after_s)
+
+
+def _phase(name: str) -> float:
+    """A fixed fraction 0..1 per name: where in its interval a slow peer is first probed."""
+    return zlib.crc32(name.encode()) / 2**32
+
+
+def min_unanswered(rate: Rate) -> int:
+    """Two unanswered probes where the dead time spans two intervals (the default), else
+    one: never later than the configured dead time for a healthy sender."""
+    return 2 if rate.dead_after_s >= 2 * rate.interval_s else 1
 
 
 @dataclass(frozen=True)
@@ -192,6 +224,10 @@ class _Peer:
     sockaddr: tuple[str, int, int, int]
     window: PeerWindow
     next_send: float
+    rate: Rate
+    min_unanswered: int
+    explicit: bool = False  # the rate came from set_rates (else: the config's)
+    last_sent: float | None = None
     alive: bool | None = None
     last_reply: float | None = None
     dead_since: float | None = None
@@ -227,11 +263,10 @@ class Prober:
         config: ProbeConfig | None = None,
         *,
         on_change: Callable[[str, bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config if config is not None else ProbeConfig()
-        # Two unanswered probes where the dead time spans two intervals (the default),
-        # else one: never later than the configured dead time for a healthy sender.
-        self._min_unanswered = 2 if self.config.dead_after_s >= 2 * self.config.interval_s else 1
+        self._clock = clock  # injected by tests that drive the schedule by hand
         self.on_change = on_change
         self.nonce = os.urandom(NONCE_BYTES)
         self.timer_error = TimerError()
@@ -248,6 +283,12 @@ class Prober:
             "recv_error": 0,
         }
         self._peers: dict[str, _Peer] = {}
+        # (time, tie, peer) heaps, checked lazily: an entry whose peer was dropped, whose
+        # send time moved or whose dead time passed is skipped when it comes up. One tick
+        # costs O(log n) per due event, not a walk over every peer.
+        self._sends: list[tuple[float, int, _Peer]] = []
+        self._deaths: list[tuple[float, int, _Peer]] = []
+        self._tie = itertools.count()
         self._pending: dict[int, _Pending] = {}  # in send order
         self._recent = _Recent()
         self._next_seq = int.from_bytes(os.urandom(4), "big")
@@ -267,7 +308,7 @@ class Prober:
         self._loop = asyncio.get_running_loop()
         self._sock = sock
         self._loop.add_reader(sock.fileno(), self._on_readable)
-        self._arm(time.monotonic())
+        self._arm(self._clock())
 
     async def close(self) -> None:
         if self._timer is not None:
@@ -299,15 +340,89 @@ class Prober:
         for name, peer in list(self._peers.items()):
             if name not in wanted or wanted[name][0] != peer.target:
                 self._drop_peer(name)
-        now = time.monotonic()
+        now = self._clock()
+        rate = self.config.rate
         for name, (t, addr) in wanted.items():
             if name not in self._peers:
                 window = PeerWindow(
                     self.config.window, self.config.half_life_s, interval_s=self.config.interval_s
                 )
-                self._peers[name] = _Peer(t, addr, window, next_send=now)
+                peer = _Peer(t, addr, window, now, rate, min_unanswered(rate))
+                self._peers[name] = peer
+                self._push_send(peer)
         if self._sock is not None:
             self._arm(now)
+
+    def set_rates(self, rates: Mapping[str, Rate], now: float | None = None) -> None:
+        """Probe these peers at these rates (others keep theirs); see meshopt.probe.budget.
+
+        A peer whose rate changes starts counting silence afresh at its new rate (judged
+        only on probes sent at that rate); one promoted to a faster class is probed at
+        once, any other one new interval after its last probe. Unknown names are ignored.
+        """
+        now = self._clock() if now is None else now
+        changed = False
+        for name, rate in rates.items():
+            peer = self._peers.get(name)
+            if peer is None:
+                continue
+            peer.explicit = True
+            if rate != peer.rate:
+                self._set_rate(peer, rate, now)
+                changed = True
+        if changed and self._sock is not None:
+            self._arm(now)
+
+    def reconfigure(self, config: ProbeConfig) -> None:
+        """A new config (a reload): peers without a rate of their own take its rate."""
+        self.config = config
+        now = self._clock()
+        for peer in self._peers.values():
+            if not peer.explicit and peer.rate != config.rate:
+                self._set_rate(peer, config.rate, now)
+        if self._sock is not None:
+            self._arm(now)
+
+    def _set_rate(self, peer: _Peer, rate: Rate, now: float) -> None:
+        # A promotion (another class, faster) is probed at once; a budget that merely
+        # re-spaces a class keeps each peer's phase (no burst of every idle peer).
+        promoted = rate.cls != peer.rate.cls and rate.interval_s < peer.rate.interval_s
+        peer.rate = rate
+        peer.min_unanswered = min_unanswered(rate)
+        # Silence is judged on probes sent at this rate: probes sent slowly before a
+        # promotion must not make the first fast probe look like the second lost one.
+        peer.unanswered = 0
+        peer.first_unanswered = None
+        if peer.last_sent is None:
+            # Never probed yet: first probe at a spread-out moment within one interval
+            # (at most 1 s), so hundreds of new idle peers do not all go in one burst.
+            if rate.interval_s > self.config.interval_s:
+                offset = _phase(peer.target.name) * min(rate.interval_s, 1.0)
+                peer.next_send = self._snap(peer, now + offset)
+            else:
+                peer.next_send = min(peer.next_send, now)
+        elif promoted:
+            peer.next_send = now
+        else:
+            peer.next_send = self._snap(peer, peer.last_sent + rate.interval_s)
+        self._push_send(peer)
+
+    def _snap(self, peer: _Peer, t: float) -> float:
+        """Slow peers' sends on a shared grid (many probes per wake-up); fast ones as is."""
+        if peer.rate.interval_s <= self.config.interval_s:
+            return t
+        return math.ceil(t / GRID_S) * GRID_S
+
+    def _push_send(self, peer: _Peer) -> None:
+        heapq.heappush(self._sends, (peer.next_send, next(self._tie), peer))
+
+    def _push_death(self, peer: _Peer) -> None:
+        dies_at = self._dies_at(peer)
+        if peer.alive and dies_at is not None:
+            heapq.heappush(self._deaths, (dies_at, next(self._tie), peer))
+
+    def _current(self, peer: _Peer) -> bool:
+        return self._peers.get(peer.target.name) is peer
 
     def _drop_peer(self, name: str) -> None:
         peer = self._peers.pop(name)
@@ -327,6 +442,15 @@ class Prober:
         """True/False once the peer has replied at least once; None before (or unknown)."""
         peer = self._peers.get(name)
         return peer.alive if peer is not None else None
+
+    def rate(self, name: str) -> Rate | None:
+        """How the peer is probed now (class, interval, dead time); None if unknown."""
+        peer = self._peers.get(name)
+        return peer.rate if peer is not None else None
+
+    def probes_per_s(self) -> float:
+        """Probes per second sent at the current rates, all peers together."""
+        return sum(1.0 / p.rate.interval_s for p in self._peers.values())
 
     def dead_since(self, name: str) -> float | None:
         """``time.monotonic()`` when the peer was declared dead; None unless dead now."""
@@ -351,6 +475,9 @@ class Prober:
                 "scope": peer.target.scope,
                 "alive": peer.alive,
                 "dead_since": peer.dead_since,
+                "class": peer.rate.cls,
+                "interval_s": peer.rate.interval_s,
+                "dead_after_s": peer.rate.dead_after_s,
                 "bytes_sent": peer.bytes_sent,
                 "bytes_received": peer.bytes_received,
                 "stats": dataclasses.asdict(peer.window.stats()),
@@ -375,11 +502,15 @@ class Prober:
 
     def _next_wake(self, now: float) -> float:
         wake = now + 1.0
-        for peer in self._peers.values():
-            wake = min(wake, peer.next_send)
-            dies_at = self._dies_at(peer)
-            if peer.alive and dies_at is not None:
-                wake = min(wake, dies_at)
+        sends, deaths = self._sends, self._deaths
+        while sends and (not self._current(sends[0][2]) or sends[0][2].next_send != sends[0][0]):
+            heapq.heappop(sends)  # stale: dropped peer or moved send time
+        if sends:
+            wake = min(wake, sends[0][0])
+        while deaths and not (self._current(deaths[0][2]) and deaths[0][2].alive):
+            heapq.heappop(deaths)
+        if deaths:
+            wake = min(wake, deaths[0][0])  # maybe stale (a reply came): a wasted wake-up
         for pending in self._pending.values():  # the oldest times out first
             wake = min(wake, pending.sent_at + self.config.timeout_s)
             break
@@ -387,14 +518,14 @@ class Prober:
 
     def _dies_at(self, peer: _Peer) -> float | None:
         """When ``peer`` is due to be declared dead, None while too few probes are out."""
-        cfg = self.config
+        rate = peer.rate
         if peer.last_reply is None or peer.first_unanswered is None:
             return None
-        if peer.unanswered < self._min_unanswered:
+        if peer.unanswered < peer.min_unanswered:
             return None
         return max(
-            peer.last_reply + cfg.dead_after_s,
-            peer.first_unanswered + cfg.dead_after_s - cfg.interval_s,
+            peer.last_reply + rate.dead_after_s,
+            peer.first_unanswered + rate.dead_after_s - rate.interval_s,
         )
 
     def _on_timer(self) -> None:
@@ -402,12 +533,12 @@ class Prober:
         # Replies that arrived while this loop was late (a stall) are taken first, with
         # their kernel stamps, so they count before any peer is judged.
         self._on_readable()
-        now = time.monotonic()
+        now = self._clock()
         try:
             self._tick(now)
         finally:
             if self._sock is not None:
-                self._arm(time.monotonic())
+                self._arm(self._clock())
 
     def _tick(self, now: float) -> None:
         due = now + SLACK_S
@@ -423,17 +554,33 @@ class Prober:
                 continue
             pending.peer.window.add_loss(seq, now)
             self._recent.add(seq, "expired", pending.peer)
-        for peer in list(self._peers.values()):
+        deaths = self._deaths
+        while deaths and deaths[0][0] <= due:
+            _, _, peer = heapq.heappop(deaths)
+            if not (self._current(peer) and peer.alive):
+                continue
             dies_at = self._dies_at(peer)
-            if peer.alive and dies_at is not None and dies_at <= due:
-                peer.alive = False
-                peer.dead_since = now
-                self._notify(peer.target.name, False)
-            if peer.next_send <= due:
-                self._send(peer)
-                peer.next_send += cfg.interval_s
-                if peer.next_send <= now:  # fell behind (a stalled loop): no burst
-                    peer.next_send = now + cfg.interval_s
+            if dies_at is None:
+                continue  # it replied meanwhile
+            if dies_at > due:
+                heapq.heappush(deaths, (dies_at, next(self._tie), peer))
+                continue
+            peer.alive = False
+            peer.dead_since = now
+            self._notify(peer.target.name, False)
+        sends = self._sends
+        while sends and sends[0][0] <= due:
+            at, _, peer = heapq.heappop(sends)
+            if not self._current(peer) or peer.next_send != at:
+                continue
+            self._send(peer)
+            interval = peer.rate.interval_s
+            peer.next_send += interval
+            if peer.next_send <= now:  # fell behind (a stalled loop): no burst
+                peer.next_send = now + interval
+            peer.next_send = self._snap(peer, peer.next_send)
+            self._push_send(peer)
+            self._push_death(peer)
 
     def _send(self, peer: _Peer) -> None:
         sock = self._sock
@@ -448,8 +595,9 @@ class Prober:
         # during it) is not part of the round trip.
         send_ns = time.time_ns()
         stamp(data, send_ns)
-        sent_at = time.monotonic()
+        sent_at = self._clock()
         self._pending[seq] = _Pending(peer, send_ns, sent_at)
+        peer.last_sent = sent_at
         if peer.unanswered == 0:
             peer.first_unanswered = sent_at
         peer.unanswered += 1
@@ -484,7 +632,7 @@ class Prober:
                     rx_ns = user_ns
                 else:
                     self.timer_error.add(rx_ns, user_ns)
-                self._handle(data, addr, rx_ns, time.monotonic())
+                self._handle(data, addr, rx_ns, self._clock())
         except OSError as exc:
             self.counters["recv_error"] += 1
             self._log_once("recv", "prober: recvmsg failed: %s", exc)

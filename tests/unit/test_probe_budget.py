@@ -1,0 +1,401 @@
+"""The probe budget: classes, rates and per-class liveness, with injected time.
+
+The budget itself is pure. The prober's schedule is driven by hand: a fake clock, its
+timer work called directly, its probes sent over a real loopback socket to a socket the
+test reads, and replies handed back at chosen (fake) moments. Nothing here sleeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from meshopt.errors import InputError
+from meshopt.probe.budget import (
+    IDLE,
+    IN_USE,
+    BudgetConfig,
+    ProbeBudget,
+    Rate,
+    TrafficMeter,
+    idle_interval,
+    route_hops,
+)
+from meshopt.probe.packet import decode, encode, probe_bytes_per_s, reply_to
+from meshopt.probe.prober import GRID_S, ProbeConfig, Prober, Target
+from meshopt.probe.timestamps import open_udp_socket
+
+CFG = BudgetConfig()
+FAST = CFG.fast
+IDLE_2S = CFG.idle(2.0)
+EXCHANGE_B = probe_bytes_per_s(1.0, 0)  # request + reply, IPv6 in IPv4, WireGuard included
+
+
+# --- the budget (pure) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class R:
+    via: str
+    backup: str | None = None
+
+
+def test_route_hops_are_next_hops_and_backups() -> None:
+    assert route_hops([R("a"), R("b", "c"), R("a", "b")]) == {"a", "b", "c"}
+    assert route_hops([]) == set()
+
+
+def test_next_hops_and_traffic_are_in_use_the_rest_idle() -> None:
+    budget = ProbeBudget()
+    peers = ["hop", "backup", "busy", "trickle", "quiet"]
+    traffic = {"busy": 50_000.0, "trickle": 700.0}  # 700 B/s: what fast probes alone move
+    classes = budget.classify(peers, {"hop", "backup"}, traffic, now=100.0)
+    assert classes == {
+        "hop": IN_USE,
+        "backup": IN_USE,
+        "busy": IN_USE,
+        "trickle": IDLE,
+        "quiet": IDLE,
+    }
+
+
+def test_in_use_is_held_for_hold_s_then_idle_and_gone_peers_are_forgotten() -> None:
+    budget = ProbeBudget(BudgetConfig(in_use_hold_s=30.0))
+    assert budget.classify(["a", "b"], {"a"}, {"b": 1e6}, now=0.0) == {"a": IN_USE, "b": IN_USE}
+    assert budget.classify(["a", "b"], set(), {}, now=30.0) == {"a": IN_USE, "b": IN_USE}
+    assert budget.classify(["a", "b"], set(), {}, now=30.5) == {"a": IDLE, "b": IDLE}
+    budget.classify(["a"], {"a"}, {}, now=31.0)
+    assert set(budget.last_used) == {"a"}
+    # A peer that comes back starts idle (nothing remembered of it).
+    assert budget.classify(["a", "b"], set(), {}, now=32.0) == {"a": IN_USE, "b": IDLE}
+
+
+def test_rates_fast_for_in_use_and_idle_dead_time_scaled_from_the_fast_class() -> None:
+    plan = ProbeBudget().rates({"a": IN_USE, "b": IDLE})
+    assert plan.rates["a"] == Rate(IN_USE, 0.33, 0.8)
+    idle = plan.rates["b"]
+    assert idle.cls == IDLE and idle.interval_s == 2.0
+    # The fast class's 0.8 / 0.33 intervals: two unanswered probes, the second given
+    # 0.42 of an interval to answer.
+    assert idle.dead_after_s == pytest.approx(2.0 * 0.8 / 0.33, abs=0.001)
+    assert plan.probes_per_s == pytest.approx(1 / 0.33 + 1 / 2.0)
+    assert (plan.count(IN_USE), plan.count(IDLE), plan.over_budget) == (1, 1, False)
+
+
+@pytest.mark.parametrize(
+    ("peers", "in_use", "goal_bytes_per_s"),
+    [(100, 10, None), (250, 25, 100_000), (1000, 25, 150_000), (1000, 60, 150_000)],
+)
+def test_the_cap_holds_and_probe_bytes_stay_within_the_goals(
+    peers: int, in_use: int, goal_bytes_per_s: int | None
+) -> None:
+    classes = {f"p{i}": IN_USE if i < in_use else IDLE for i in range(peers)}
+    plan = ProbeBudget().rates(classes)
+    # Over the cap only where idle peers are at their slowest (10 s) already.
+    assert plan.over_budget is (plan.probes_per_s > CFG.max_probes_per_s)
+    assert not plan.over_budget or plan.idle_interval_s == CFG.idle_max_interval_s
+    assert plan.over_budget is (in_use == 60)
+    assert CFG.idle_interval_s <= plan.idle_interval_s <= CFG.idle_max_interval_s
+    assert plan.idle_interval_s / 0.25 == pytest.approx(round(plan.idle_interval_s / 0.25))
+    wire = plan.probes_per_s * EXCHANGE_B  # request + reply, WireGuard overhead included
+    if goal_bytes_per_s is not None:
+        assert wire <= goal_bytes_per_s
+    if peers == 100:  # well under the cap: idle at its own rate
+        assert plan.idle_interval_s == CFG.idle_interval_s
+
+
+def test_idle_interval_stretches_to_the_cap_then_stops_at_the_max() -> None:
+    assert idle_interval(CFG, 10, 90) == (2.0, False)
+    interval, over = idle_interval(CFG, 20, 980)  # 60.6/s fast, 189.4/s for 980 idle
+    assert interval == 5.25 and not over  # 980 / 189.4 = 5.17, up to a whole step
+    assert idle_interval(CFG, 80, 920) == (10.0, False)  # 7.8/s left for 920 idle: the max
+    assert idle_interval(CFG, 100, 5) == (10.0, True)  # in use alone exceed the cap
+    assert idle_interval(CFG, 100, 0) == (2.0, True)
+
+
+def test_in_use_links_are_never_slowed_for_the_cap() -> None:
+    plan = ProbeBudget().rates({f"p{i}": IN_USE for i in range(200)})
+    assert plan.over_budget
+    assert {r.interval_s for r in plan.rates.values()} == {0.33}
+
+
+def test_traffic_meter_takes_rates_over_at_least_min_span() -> None:
+    meter = TrafficMeter(min_span_s=1.0)
+    assert meter.update({"a": (1000, 0)}, 0.0) == {"a": 0.0}
+    assert meter.update({"a": (1500, 0)}, 0.05) == {"a": 0.0}  # too short a span: kept
+    assert meter.update({"a": (5000, 200)}, 2.0) == {"a": 2000.0}  # rx 4000 B over 2 s
+    assert meter.update({"a": (5000, 9000)}, 4.0) == {"a": 4400.0}  # tx is larger now
+    assert meter.update({"a": (10, 10)}, 6.0) == {"a": 0.0}  # counters went down: restart
+    assert meter.update({}, 7.0) == {}
+
+
+def test_bad_budget_settings_are_one_line_errors() -> None:
+    for kwargs, words in (
+        ({"idle_interval_s": 0.1}, "idle_interval_s (0.1) must be at least"),
+        ({"idle_max_interval_s": 1.0}, "idle_max_interval_s must be >= idle_interval_s"),
+        ({"max_probes_per_s": 0}, "max_probes_per_s must be a positive number"),
+        ({"in_use_hold_s": -1}, "in_use_hold_s must be >= 0"),
+        ({"traffic_bytes_per_s": math.nan}, "traffic_bytes_per_s must be >= 0"),
+    ):
+        with pytest.raises(InputError) as info:
+            BudgetConfig(**kwargs)  # type: ignore[arg-type]
+        assert words in str(info.value) and "\n" not in str(info.value)
+
+
+# --- the prober's schedule, by hand ------------------------------------------------------
+
+
+@dataclass
+class Harness:
+    """A prober on a fake clock whose probes reach a loopback socket read by the test."""
+
+    answer: Callable[[str, float], bool] = lambda name, now: True
+    now: float = 1000.0
+    events: list[tuple[str, bool, float]] = field(default_factory=list)
+    sent: list[tuple[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.rx.bind(("127.0.0.1", 0))
+        self.rx.setblocking(False)
+        self.prober = Prober(
+            ProbeConfig(port=self.rx.getsockname()[1]),
+            on_change=lambda n, a: self.events.append((n, a, self.now)),
+            clock=lambda: self.now,
+        )
+        self.prober._sock = open_udp_socket("::", 0)  # sends without an event loop
+
+    def close(self) -> None:
+        assert self.prober._sock is not None
+        self.prober._sock.close()
+        self.rx.close()
+
+    def peers(self, *names: str) -> None:
+        self.prober.set_targets(Target(n, "127.0.0.1") for n in names)
+
+    def run(self, seconds: float, step: float = 0.01) -> None:
+        """Advance the clock; at every step the timer's work, then replies to what came."""
+        end = self.now + seconds
+        while self.now < end - 1e-9:
+            self.now = round(self.now + step, 6)
+            self.prober._tick(self.now)
+            for data in self._drain():
+                request = decode(data)
+                pending = self.prober._pending.get(request.seq)
+                assert pending is not None
+                name = pending.peer.target.name
+                self.sent.append((name, self.now))
+                if self.answer(name, self.now):
+                    reply = encode(reply_to(request, 0))
+                    rx_ns = request.send_ns + 100_000  # 0.1 ms round trip
+                    self.prober._handle(reply, ("127.0.0.1", 0), rx_ns, self.now)
+
+    def _drain(self) -> Iterator[bytes]:
+        while True:
+            try:
+                yield self.rx.recv(2048)
+            except BlockingIOError:
+                return
+
+    def sends(self, name: str) -> list[float]:
+        return [t for n, t in self.sent if n == name]
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [round(b - a, 3) for a, b in itertools.pairwise(times)]
+
+
+def test_without_a_budget_every_peer_is_probed_at_the_configured_rate(harness: Harness) -> None:
+    harness.peers("a", "b")
+    harness.run(3.0)
+    for name in ("a", "b"):
+        assert len(harness.sends(name)) == 10  # t = 0.01, 0.34, ... 2.98: every 0.33 s
+        assert harness.prober.rate(name) == Rate(IN_USE, 0.33, 0.8)
+    assert harness.prober.probes_per_s() == pytest.approx(2 / 0.33)
+
+
+def test_idle_peers_are_probed_at_their_interval_on_the_grid(harness: Harness) -> None:
+    harness.peers("fast", "idle")
+    harness.prober.set_rates({"fast": FAST, "idle": IDLE_2S})
+    harness.run(10.0)
+    assert len(harness.sends("fast")) == 31
+    idle = harness.sends("idle")
+    assert len(idle) == 5 and set(gaps(idle)) == {2.0}
+    assert all(abs(t / GRID_S - round(t / GRID_S)) < 1e-6 for t in idle)
+    snap = harness.prober.snapshot()["peers"]["idle"]
+    assert (snap["class"], snap["interval_s"]) == (IDLE, 2.0)
+
+
+def test_new_idle_peers_are_spread_over_the_first_second(harness: Harness) -> None:
+    names = [f"p{i}" for i in range(100)]
+    harness.peers(*names)
+    harness.prober.set_rates(dict.fromkeys(names, IDLE_2S))
+    harness.run(1.1)
+    firsts = sorted(harness.sends(n)[0] for n in names)
+    assert len(firsts) == 100 and firsts[-1] - harness.now <= 0  # all probed within 1.1 s
+    # On the 50 ms grid across the second: no slot holds more than a fifth of them.
+    slots = [round(t / GRID_S) for t in firsts]
+    assert len(set(slots)) >= 10 and max(slots.count(s) for s in set(slots)) <= 20
+
+
+def test_an_idle_peer_is_judged_against_its_own_interval(harness: Harness) -> None:
+    """Silent from t0: the fast peer is dead 0.8 s after its last reply; the idle one not
+    for the 2 s it was not asked, only after two of its own probes went unanswered."""
+    silent_from: dict[str, float] = {}
+    harness.answer = lambda name, now: name not in silent_from or now < silent_from[name]
+    harness.peers("fast", "idle")
+    harness.prober.set_rates({"fast": FAST, "idle": IDLE_2S})
+    harness.run(4.0)
+    assert harness.prober.alive("fast") is harness.prober.alive("idle") is True
+    t0 = harness.now
+    silent_from.update(fast=t0, idle=t0)
+    harness.run(12.0)
+    deaths = {n: t for n, alive, t in harness.events if not alive}
+    last_fast = max(t for t in harness.sends("fast") if t < t0)
+    last_idle = max(t for t in harness.sends("idle") if t < t0)
+    assert deaths["fast"] - last_fast == pytest.approx(0.8, abs=0.011)
+    idle_dead = IDLE_2S.dead_after_s
+    assert deaths["idle"] - last_idle == pytest.approx(idle_dead, abs=0.011)
+    # Two idle probes went out unanswered before it was judged, the second 2 s after the first.
+    asked = [t for t in harness.sends("idle") if last_idle < t <= deaths["idle"]]
+    assert gaps(asked) == [2.0] and len(asked) == 2
+
+
+def test_an_idle_peer_becoming_in_use_is_probed_fast_at_once(harness: Harness) -> None:
+    harness.peers("p")
+    harness.prober.set_rates({"p": IDLE_2S})
+    harness.run(3.0)
+    before = len(harness.sends("p"))
+    promoted_at = harness.now
+    harness.prober.set_rates({"p": FAST})
+    harness.run(0.01)
+    assert harness.sends("p")[-1] == pytest.approx(promoted_at + 0.01)  # the next tick
+    harness.run(2.0)
+    after = [t for t in harness.sends("p") if t > promoted_at]
+    assert len(harness.sends("p")) == before + len(after)
+    # The schedule restarts at the promotion: every 0.33 s from then.
+    assert after[1] == pytest.approx(promoted_at + 0.33) and set(gaps(after[1:])) == {0.33}
+    # And back to idle: one idle interval after its last fast probe, then every 2 s.
+    demoted_at = harness.now
+    harness.prober.set_rates({"p": IDLE_2S})
+    harness.run(6.0)
+    later = [t for t in harness.sends("p") if t > demoted_at]
+    assert later[0] - after[-1] == pytest.approx(2.0, abs=GRID_S)
+    assert set(gaps(later)) == {2.0}
+
+
+def test_a_promoted_peer_is_not_judged_on_the_slow_probe_it_missed(harness: Harness) -> None:
+    """Its last idle probe went unanswered; promoted, one fast probe out: not dead yet.
+    Really dead, it is declared dead within dead_after_s of the promotion."""
+    dead = {"now": False}
+    harness.answer = lambda name, now: not dead["now"]
+    harness.peers("p")
+    harness.prober.set_rates({"p": IDLE_2S})
+    harness.run(2.5)
+    dead["now"] = True
+    harness.run(2.0)  # one idle probe unanswered
+    assert harness.prober.alive("p") is True
+    promoted_at = harness.now
+    harness.prober.set_rates({"p": FAST})
+    harness.run(0.3)  # the first fast probe is out, unanswered for 0.3 s
+    assert harness.prober.alive("p") is True and harness.events == []
+    harness.run(1.0)
+    (name, alive, at), *_ = harness.events
+    assert (name, alive) == ("p", False)
+    # Two fast probes unanswered, the first dead_after - interval before: 0.47 s.
+    assert at - promoted_at == pytest.approx(0.8 - 0.33 + 0.01, abs=0.011)
+
+
+def test_a_slower_rate_of_the_same_class_keeps_phases(harness: Harness) -> None:
+    names = [f"p{i}" for i in range(20)]
+    harness.peers(*names)
+    harness.prober.set_rates(dict.fromkeys(names, IDLE_2S))
+    harness.run(3.0)
+    changed_at = harness.now
+    harness.prober.set_rates(dict.fromkeys(names, CFG.idle(2.25)))
+    harness.run(0.05)
+    assert [t for _, t in harness.sent if t > changed_at] == []  # no burst of everyone
+    harness.run(5.0)
+    for n in names:
+        later = [t for t in harness.sends(n) if t > changed_at]
+        assert len(later) == 2 and gaps(later)[0] == pytest.approx(2.25, abs=GRID_S)
+
+
+def test_reconfigure_moves_peers_without_a_rate_of_their_own(harness: Harness) -> None:
+    harness.peers("default", "budgeted")
+    harness.prober.set_rates({"budgeted": IDLE_2S})
+    harness.prober.reconfigure(ProbeConfig(port=harness.prober.config.port, interval_s=0.5))
+    assert harness.prober.rate("default") == Rate(IN_USE, 0.5, 0.8)
+    assert harness.prober.rate("budgeted") == IDLE_2S
+    harness.prober.set_targets([Target("default", "127.0.0.1")])
+    assert harness.prober.rate("budgeted") is None  # dropped with its target
+    harness.prober.set_rates({"gone": FAST})  # unknown names are ignored
+
+
+def test_a_dropped_peer_leaves_nothing_scheduled(harness: Harness) -> None:
+    harness.peers("a", "b")
+    harness.prober.set_rates({"a": IDLE_2S, "b": IDLE_2S})
+    harness.run(1.0)
+    harness.peers("a")
+    harness.run(5.0)
+    assert [t for n, t in harness.sent if n == "b" and t > 1001.0] == []
+    assert len(harness.sends("a")) == 3
+
+
+def test_the_budget_plan_drives_the_prober(harness: Harness) -> None:
+    """The agent's loop in small: route next hops fast, the rest idle, promotion on a
+    route set change, demotion after the hold."""
+    names = [f"p{i}" for i in range(10)]
+    harness.peers(*names)
+    budget = ProbeBudget(BudgetConfig(in_use_hold_s=5.0))
+    harness.prober.set_rates(budget.plan(names, {"p0"}, {}, harness.now).rates)
+    harness.run(4.0)
+    assert len(harness.sends("p0")) >= 12 and len(harness.sends("p5")) == 2
+    assert harness.prober.probes_per_s() == pytest.approx(1 / 0.33 + 9 / 2.0)
+    changed = harness.now
+    harness.prober.set_rates(budget.plan(names, {"p5"}, {}, harness.now).rates)
+    harness.run(0.01)
+    assert harness.sends("p5")[-1] > changed
+    assert harness.prober.rate("p0") == FAST  # held for in_use_hold_s
+    harness.run(6.0)
+    harness.prober.set_rates(budget.plan(names, {"p5"}, {}, harness.now).rates)
+    assert harness.prober.rate("p0") == IDLE_2S and harness.prober.rate("p5") == FAST
+
+
+# --- the agent's settings ---------------------------------------------------------------
+
+
+def test_agent_settings_build_the_budget_and_bad_ones_name_the_key() -> None:
+    from meshopt.agent.config import parse_config, probe_budget_config
+
+    cfg = parse_config({"agent": {"mesh": "m", "node": "n1"}})
+    assert probe_budget_config(cfg.probe) == BudgetConfig()
+    off = parse_config({"agent": {"mesh": "m", "node": "n1"}, "probe": {"budget": False}})
+    assert probe_budget_config(off.probe) is None
+    tuned = parse_config(
+        {"agent": {"mesh": "m", "node": "n1"}, "probe": {"interval_s": 0.2, "dead_after_s": 0.5}}
+    )
+    budget = probe_budget_config(tuned.probe)
+    assert budget is not None and budget.fast == Rate(IN_USE, 0.2, 0.5)
+    with pytest.raises(InputError) as info:
+        parse_config({"agent": {"mesh": "m", "node": "n1"}, "probe": {"idle_interval_s": 0.1}})
+    assert "probe.idle_interval_s (0.1) must be at least the probe interval (0.33)" in str(
+        info.value
+    )
+    with pytest.raises(InputError) as info:
+        parse_config({"agent": {"mesh": "m", "node": "n1"}, "probe": {"max_probes_per_s": 0}})
+    assert "probe.max_probes_per_s must be a positive number" in str(info.value)
