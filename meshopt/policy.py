@@ -104,6 +104,7 @@ __all__ = [
     "Installed",
     "PolicyConfig",
     "decide",
+    "keep_where",
     "path_cost",
     "reaches",
     "reindex",
@@ -369,6 +370,15 @@ def decide(
         held=held & (table != b),
         repaired=repaired & changed,
     )
+
+
+def keep_where(previous: IntArray, best: IntArray, keep: BoolArray) -> IntArray:
+    """``previous`` where ``keep``, ``best`` elsewhere, with every entry whose walk the
+    mix breaks (a loop, a gap) forced to ``best``: hysteresis for a directed next-hop
+    table other than the fast one (the bulk table), loop-free like ``decide``'s."""
+    table: IntArray = np.where(keep, previous, best)
+    out: IntArray = np.where(_repair(table, best, False), best, table)
+    return out
 
 
 def _repair(table: IntArray, best: IntArray, symmetric: bool) -> BoolArray:

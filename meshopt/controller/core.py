@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshopt.bus.freshness import (
@@ -67,7 +68,12 @@ log = logging.getLogger("meshopt.controller")
 
 @dataclass(frozen=True)
 class Publish:
-    """One message to publish; ``node``/``routes`` mark a route set (reported back)."""
+    """One message to publish; ``node``/``routes`` mark a route set (reported back).
+
+    ``priority`` orders route sets when many wait (lower first): ``URGENT`` when a
+    next hop of the node's failed or its path got far worse (the engine's
+    ``DEGRADED_*``), ``CHANGED`` when a fast next hop moved, ``REFRESH``
+    for backups, bulk routes and settings only."""
 
     topic: str
     payload: bytes
@@ -75,6 +81,10 @@ class Publish:
     qos: int = 1
     node: str | None = None
     routes: tuple[Route, ...] = ()
+    priority: int = 2
+
+
+URGENT, CHANGED, REFRESH = 0, 1, 2
 
 
 def _normal(prefix: str) -> str:
@@ -113,7 +123,10 @@ class ControllerCore:
         self.session: dict[str, int] = {}  # per node: the broker session of its telemetry
         self.controller_since: dict[str, float] = {}
         self.retained_sets: dict[str, RouteSet] = {}
-        self.published: dict[str, list[Route]] = {}
+        self.published: dict[str, list[Route]] = {}  # the broker took these
+        # Signed and handed to the shell, possibly still on the way: what the next
+        # recompute compares with, so a set on its way is not signed twice.
+        self.intended: dict[str, list[Route]] = {}
         self.version = 0
         self.dirty_since: float | None = None
         self.urgent = False
@@ -317,6 +330,15 @@ class ControllerCore:
 
     def tick(self, now: float, wall: float) -> list[Publish]:
         """Advance the lease, expire stale nodes, recompute when due; what to publish."""
+        out = self.housekeeping(now, wall)
+        if self.recompute_due(now, wall):
+            out += self.recompute_now(now, wall)
+        return out
+
+    def housekeeping(self, now: float, wall: float, *, expire: bool = True) -> list[Publish]:
+        """Advance the lease and (``expire``) age stale nodes out; cheap, so the shell
+        runs it on every tick, also while a recompute runs elsewhere (``expire=False``:
+        the view must not change under it)."""
         out: list[Publish] = []
         was_active = self.lease.role == "active"
         lease = self.lease.tick(wall)
@@ -329,29 +351,56 @@ class ControllerCore:
             log.info("controller %s active (term %d)", self.cfg.id, self.lease.term)
             self.engine.adopt(self.view, self.retained_sets, now)
             self.published = {n: list(rs.routes) for n, rs in self.retained_sets.items()}
+            self.intended = dict(self.published)
             out += self.on_connect(wall)
             self.mark_dirty(now, urgent=True)
         elif was_active and not active:
             log.warning("controller %s is standby now (another holds a newer lease)", self.cfg.id)
             out += self.on_connect(wall)
-        for name in self.view.expire(now):
-            log.warning("node %s: telemetry stale, routing around it", name)
-            self.mark_dirty(now, urgent=True)
-        if self.dirty_since is None or not self.lease.may_publish(wall):
-            return out
-        if not self.view.ready(now, self.cfg.warmup_s, self.cfg.warmup_samples):
-            return out
-        if not self.urgent and now - self.dirty_since < self.cfg.debounce_s:
-            return out
-        self.dirty_since = None
-        self.urgent = False
-        try:
-            out += self.recompute(now, wall)
-        except Exception as exc:  # keep the routes agents have; try again on the next change
-            self.counters.count("recompute_failed", repr(exc), exc_info=exc)
+        if expire:
+            for name in self.view.expire(now):
+                log.warning("node %s: telemetry stale, routing around it", name)
+                self.mark_dirty(now, urgent=True)
         return out
 
+    def recompute_due(self, now: float, wall: float) -> bool:
+        """Whether to recompute now: something changed, we hold the lease, the view is
+        warm and the debounce has passed (at once when urgent)."""
+        if self.dirty_since is None or not self.lease.may_publish(wall):
+            return False
+        if not self.view.ready(now, self.cfg.warmup_s, self.cfg.warmup_samples):
+            return False
+        return self.urgent or now - self.dirty_since >= self.cfg.debounce_s
+
+    def recompute_now(
+        self, now: float, wall: float, *, clear: bool = True, signed: bool = True
+    ) -> list[Publish]:
+        """A due recompute: clears the dirty mark (``clear``: the shell may have done
+        so), never raises (a failure is counted and the routes agents have stay).
+        ``signed=False``: planned sets, for :meth:`sign_routes` (see :meth:`plan`)."""
+        if clear:
+            self.dirty_since = None
+            self.urgent = False
+        try:
+            return self.recompute(now, wall) if signed else self.plan(now, wall)
+        except Exception as exc:  # keep the routes agents have; try again on the next change
+            self.counters.count("recompute_failed", repr(exc), exc_info=exc)
+            return []
+
     def recompute(self, now: float, wall: float) -> list[Publish]:
+        """Recompute and sign every set that changed (most urgent first)."""
+        out = []
+        for a in self.plan(now, wall):
+            signed = self.sign_routes(a, wall)
+            if signed is not None:
+                out.append(signed)
+        return out
+
+    def plan(self, now: float, wall: float) -> list[Publish]:
+        """Recompute; the route sets that changed, not yet signed (empty payloads; the
+        shell signs each with :meth:`sign_routes` just before sending it, so the most
+        urgent set does not wait for 249 others to be signed, and a set replaced before
+        it went out is never signed), most urgent first."""
         if not self.view.nodes:
             return []
         policy = None
@@ -377,35 +426,67 @@ class ControllerCore:
                 int(c.decision.improved.sum()),
             )
         out: list[Publish] = []
+        index = {n: i for i, n in enumerate(c.names)}
+        urgent = c.decision.failed if c.degraded is None else c.decision.failed | c.degraded
+        failed_rows = np.asarray(urgent.any(axis=1))
+        changed_rows = np.asarray(c.decision.changed.any(axis=1))
         for node, routes in c.routes.items():
-            if self.published.get(node) == routes:
+            if self.intended.get(node) == routes:
                 continue
-            self.version = max(self.version + 1, first_seq(wall))
-            rs = RouteSet(
-                mesh=self.cfg.mesh,
-                node=node,
-                version=self.version,
-                issued_at=wall,
-                controller=self.cfg.id,
-                term=self.lease.term,
-                routes=routes,
-            )
-            try:
-                payload = sign("routes", rs, self.key, self.key_id)
-                self._own[self.topics.routes(node)] = (payload, rs)
-            except BusMessageError as exc:  # one node's set is unusable; the rest go out
-                self.counters.count("routes_unbuildable", f"{node}: {exc}")
-                continue
+            i = index[node]
+            prio = URGENT if failed_rows[i] else CHANGED if changed_rows[i] else REFRESH
+            self.intended[node] = routes
             out.append(
-                Publish(self.topics.routes(node), payload, True, node=node, routes=tuple(routes))
+                Publish(
+                    self.topics.routes(node),
+                    b"",
+                    True,
+                    node=node,
+                    routes=tuple(routes),
+                    priority=int(prio),
+                )
             )
+        out.sort(key=lambda p: p.priority)  # stable: node order within a class
         return out
 
+    def sign_routes(self, a: Publish, wall: float) -> Publish | None:
+        """A planned route set, versioned and signed now; None (counted) if it cannot be
+        (one node's set is unusable; the rest go out)."""
+        if a.node is None:
+            return a
+        self.version = max(self.version + 1, first_seq(wall))
+        rs = RouteSet(
+            mesh=self.cfg.mesh,
+            node=a.node,
+            version=self.version,
+            issued_at=wall,
+            controller=self.cfg.id,
+            term=self.lease.term,
+            routes=list(a.routes),
+        )
+        try:
+            payload = sign("routes", rs, self.key, self.key_id)
+        except BusMessageError as exc:
+            self.counters.count("routes_unbuildable", f"{a.node}: {exc}")
+            if self.intended.get(a.node) == rs.routes:
+                self.intended.pop(a.node, None)
+            return None
+        self._own[a.topic] = (payload, rs)
+        return dataclasses.replace(a, payload=payload)
+
     def published_ok(self, action: Publish, ok: bool, now: float) -> None:
-        """The shell's report on a route set: published, or to retry once the bus is back."""
+        """The shell's report on a publish: a route set taken, or to retry once the bus is
+        back (or never sent: lease lost); our lease renewal, taken by the broker, counts
+        as held without waiting for the broker's echo (a busy loop reads that late)."""
         if action.node is None:
+            own = self._own.get(action.topic)
+            if ok and action.topic == self.topics.lease() and own and own[0] == action.payload:
+                assert isinstance(own[1], Lease)
+                self.lease.own_published(own[1])
             return
         if ok:
             self.published[action.node] = list(action.routes)
         else:
+            if self.intended.get(action.node) == list(action.routes):
+                self.intended.pop(action.node, None)
             self.mark_dirty(now)

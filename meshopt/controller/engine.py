@@ -19,6 +19,13 @@ the simulator predicts is what the controller does.
   picture of it) with its reason in ``Computed.errors``; the sets that are built pass
   the bus checks (one route per destination and table, at most ``MAX_ROUTES``), so
   signing and publishing them cannot fail on their content.
+* Backup next hops, bulk next hops and bulk TCP settings have hysteresis too (a set
+  changed only by noise is re-signed and re-sent to its node for nothing: 84 kB each at
+  250 nodes, issue 15). A backup that is still a loop-free alternate stays unless a new
+  one is better by the policy's margins; a bulk next hop stays while its path is as wide
+  and not worse by those margins (loops from mixing old and new entries are repaired);
+  TCP settings stay while the path is the same and its RTT and rate moved by less than
+  ``TUNING_TOLERANCE``.
 """
 
 from __future__ import annotations
@@ -37,11 +44,21 @@ from meshopt.bus.messages import MAX_ROUTES, Counters, Route, RouteSet
 from meshopt.controller.view import Matrices, MeshView
 from meshopt.errors import MeshoptError
 from meshopt.install.tuning import MIN_MTU, TcpTuning, tcp_tuning
-from meshopt.policy import Decision, Installed, PolicyConfig, decide, reindex
+from meshopt.policy import (
+    BoolArray,
+    Decision,
+    Installed,
+    PolicyConfig,
+    decide,
+    keep_where,
+    path_cost,
+    reaches,
+    reindex,
+)
 from meshopt.routing.backup import add_backups
 from meshopt.routing.incremental import IncrementalRoutes
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
-from meshopt.routing.widest import widest_routes
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
+from meshopt.routing.widest import bandwidth_levels, widest_routes
 
 log = logging.getLogger("meshopt.controller")
 
@@ -52,6 +69,18 @@ class RouteSetError(MeshoptError):
 
 # What building one node's routes may raise on hostile or broken input; caught per node.
 NODE_ERRORS = (MeshoptError, ValueError, ArithmeticError)
+# A bulk route keeps its TCP settings while its RTT and rate stay within this factor of
+# the values they were computed from (1 % noise must not re-send a route set).
+TUNING_TOLERANCE = 1.25
+# LFA test margin, as in meshopt.routing.backup: rounding may drop an alternate, never
+# keep one whose path runs back through the source.
+_LFA_TOL_MS = 1e-7
+# A path in use that got this much worse than the best one (its cost at least
+# 1 / (1 - DEGRADED_REL) = 2.5 times the best's, and DEGRADED_ABS_MS more) skips the hold: a
+# large degradation is not flapping, and waiting out a 30 s hold on it is what users of
+# the anchors complain about. The policy's margins and noise test still apply.
+DEGRADED_REL = 0.6
+DEGRADED_ABS_MS = 10.0
 
 
 @dataclass
@@ -66,6 +95,9 @@ class Computed:
     decision: Decision
     routes: dict[str, list[Route]] = field(default_factory=dict)
     bulk_next_hop: IntArray | None = None
+    backup: IntArray | None = None  # the backup next hop each route carries (NO_ROUTE: none)
+    bulk_paths: _BulkPaths | None = None
+    degraded: BoolArray | None = None  # entries moved off a path gone much worse (urgent)
     errors: dict[str, str] = field(default_factory=dict)
     dropped: Counter[str] = field(default_factory=Counter)
 
@@ -101,6 +133,11 @@ class RouteEngine:
         self.installed: Installed | None = None
         self._inc: IncrementalRoutes | None = None
         self.stats = {"full": 0, "incremental": 0, "links_updated": 0}
+        # What the last compute handed out, for hysteresis (names as in self.names).
+        self._backup: IntArray | None = None
+        self._bulk: IntArray | None = None
+        self._tuning: dict[tuple[str, str, str], _Tuned] = {}
+        self._rows = _RowCache()
         # Cumulative over all computes: "route_set_error" (a node left out, once per
         # compute) and Computed.dropped's reasons; the first of each reason is logged.
         self.counters = Counters("controller left routes out", log)
@@ -141,6 +178,11 @@ class RouteEngine:
         if not route_sets:
             return  # nothing installed anywhere yet: agents are on their direct tunnels
         inst = direct_installed(m.cost)
+        n = len(names)
+        backup = np.full((n, n), NO_ROUTE, dtype=np.int64)
+        bulk = np.full((n, n), NO_ROUTE, dtype=np.int64)
+        np.fill_diagonal(bulk, np.arange(n))
+        tuned: list[tuple[int, int, Route]] = []
         for s_name, rs in route_sets.items():
             s = index.get(s_name)
             if s is None:
@@ -148,10 +190,40 @@ class RouteEngine:
             for r in rs.routes:
                 d_name = owner_of_addr.get(r.dst)
                 via = owner_of_key.get(r.via)
-                if r.table == "fast" and d_name in index and via in index:
-                    inst.next_hop[s, index[d_name]] = index[via]
+                if d_name not in index or via not in index:
+                    continue
+                d = index[d_name]
+                if r.table == "fast":
+                    inst.next_hop[s, d] = index[via]
+                    b = owner_of_key.get(r.backup) if r.backup else None
+                    if b in index:
+                        backup[s, d] = index[b]
+                elif r.table == "bulk":
+                    bulk[s, d] = index[via]
+                    tuned.append((s, d, r))
         self.names = names
         self.installed = inst
+        # The backups, bulk paths and TCP settings agents have are the hysteresis's
+        # starting point too, so the take-over re-sends nothing that did not change.
+        self._backup, self._bulk = backup, bulk
+        self._tuning = {}
+        self._rows = _RowCache()
+        for s, d, r in tuned:
+            walk = _walk(bulk, s, d)
+            if walk[-1] != d:
+                continue
+            rtt, bw, pmtus = _path_values(m, walk)
+            pmtu = min(pmtus) if pmtus else 0
+            t: TcpTuning | None = None
+            if r.mtu is not None and r.advmss is not None:
+                t = TcpTuning(
+                    mtu=r.mtu,
+                    advmss=r.advmss,
+                    window=r.window,
+                    initcwnd=r.initcwnd,
+                    initrwnd=r.initrwnd,
+                )
+            self._tuning[(names[s], names[d], r.dst)] = _Tuned(len(walk) - 1, pmtu, rtt, bw, t)
 
     def compute(self, view: MeshView, now: float, policy: PolicyConfig | None = None) -> Computed:
         """One decision; ``policy`` overrides the engine's (e.g. a short start-up hold)."""
@@ -160,6 +232,7 @@ class RouteEngine:
         if self.installed is None:
             self.installed = direct_installed(m.cost)
         elif names != self.names:
+            self._backup = self._bulk = None  # membership changed: every set changes anyway
             # Joining nodes have no route set yet: their pairs are on the direct tunnel.
             moved = reindex(self.installed, self.names, names)
             direct = direct_installed(m.cost)
@@ -169,8 +242,13 @@ class RouteEngine:
         self.names = names
         best = self._routes(names, m.cost)
         before = self.installed
+        released = degraded(before, best, m.cost, self.relay_hop_ms, self.symmetric)
         dec = decide(
-            self.installed,
+            Installed(
+                next_hop=before.next_hop,
+                since=np.where(released, -np.inf, before.since),
+                better_since=before.better_since,
+            ),
             best,
             m.cost,
             m.noise,
@@ -182,18 +260,27 @@ class RouteEngine:
         # A switch forced by a failure is not a preference: it is not held, so the
         # route can move to the best path as soon as the measurements justify it.
         dec.installed.since = np.where(dec.failed, -np.inf, dec.installed.since)
+        # A released entry the policy did not move keeps its hold.
+        dec.installed.since = np.where(released & ~dec.changed, before.since, dec.installed.since)
         self.installed = dec.installed
         out = Computed(names=names, matrices=m, best=best, decision=dec)
+        out.degraded = released & dec.changed
+        pol = policy or self.policy
+        if not self.symmetric:
+            out.backup = sticky_backups(
+                self._backup, best, dec.installed.next_hop, m.cost, pol, self.relay_hop_ms
+            )
+            self._backup = out.backup
         if self.bulk and self.symmetric:
             # One AllowedIPs set per destination: bulk traffic takes the fast next hop,
             # in its own table only for the per-route TCP settings.
             out.bulk_next_hop = dec.installed.next_hop
         elif self.bulk:
             bw = np.where(m.bandwidth > 0, m.bandwidth, np.nan)
-            out.bulk_next_hop = widest_routes(
-                bw, m.cost, names, relay_hop_ms=self.relay_hop_ms
-            ).next_hop
-        out.routes = route_sets(view, out)
+            fresh = widest_routes(bw, m.cost, names, relay_hop_ms=self.relay_hop_ms).next_hop
+            out.bulk_next_hop = sticky_bulk(self._bulk, fresh, bw, m.cost, pol, self.relay_hop_ms)
+            self._bulk = out.bulk_next_hop
+        out.routes = route_sets(view, out, self._tuning, self._rows)
         for name, why in out.errors.items():
             # Its agent keeps the routes it has: so must the policy's picture of them.
             s = names.index(name)
@@ -207,28 +294,296 @@ class RouteEngine:
         return out
 
 
-def route_sets(view: MeshView, c: Computed) -> dict[str, list[Route]]:
+def degraded(
+    installed: Installed, best: RouteTables, cost: FloatArray, relay_hop_ms: float, symmetric: bool
+) -> BoolArray:
+    """Entries whose installed path costs ``DEGRADED_*`` more than the best one now."""
+    if symmetric:
+        cost = _symmetrize(cost)
+    with np.errstate(invalid="ignore"):
+        cur = path_cost(installed.next_hop, cost, relay_hop_ms)
+        new = path_cost(best.next_hop, cost, relay_hop_ms)
+        gain = cur - new
+        out: BoolArray = (
+            np.isfinite(cur)
+            & np.isfinite(new)
+            & (gain >= DEGRADED_ABS_MS)
+            & (gain >= DEGRADED_REL * cur)
+        )
+    if symmetric:
+        out = out | out.T
+    return out
+
+
+def _margin(cost: FloatArray, policy: PolicyConfig) -> FloatArray:
+    """The gain a change must bring over ``cost``: the policy's large margins."""
+    out: FloatArray = np.maximum(policy.abs_margin_ms, policy.rel_margin * cost)
+    return out
+
+
+def sticky_backups(
+    prev: IntArray | None,
+    best: RouteTables,
+    hop: IntArray,
+    cost: FloatArray,
+    policy: PolicyConfig,
+    relay_hop_ms: float = 2.0,
+) -> IntArray:
+    """The backup next hop of every entry whose installed next hop is ``hop``.
+
+    The fresh choice is the best table's loop-free alternate (its best next hop when
+    the policy kept another one). The previous backup stays while it is still a
+    loop-free alternate over a live link and the fresh one is not better by the
+    policy's margins: a backup flipping with noise re-sends a whole route set.
+    """
+    n = hop.shape[0]
+    rows = np.arange(n)[:, None]
+    fresh = best.backup if best.backup is not None else np.full((n, n), NO_ROUTE)
+    fresh = np.where(fresh == hop, best.next_hop, fresh)
+    fresh = np.where((fresh == hop) | (fresh == rows), NO_ROUTE, fresh)
+    if prev is None or prev.shape != (n, n) or best.dist is None:
+        return fresh.astype(np.int64)
+    dist = best.dist
+    cols = np.arange(n)[None, :]
+    m = np.where(prev >= 0, prev, 0)
+    f = np.where(fresh >= 0, fresh, 0)
+    link = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
+    # Still loop-free: the alternate's own installed route (what it forwards on, and
+    # what the policy keeps steady) reaches d without passing s. The distances' LFA test
+    # would flip whenever m has two near-equal ways to d, one of them through s.
+    valid = (prev >= 0) & (prev != hop) & (prev != rows) & np.isfinite(link[rows, m])
+    valid &= _walk_avoids(hop, m, valid)
+    with np.errstate(invalid="ignore"):
+        key_old = link[rows, m] + dist[m, cols]
+        key_new = np.where(fresh >= 0, link[rows, f] + dist[f, cols], np.inf)
+        # A fresh alternate whose own installed route runs back through s is no better.
+        better = key_new < key_old - _margin(key_old, policy)
+        better &= _walk_avoids(hop, f, better & (fresh >= 0))
+    out: IntArray = np.where(valid & ~better, prev, fresh).astype(np.int64)
+    return out
+
+
+def _walk_avoids(next_hop: IntArray, start: IntArray, todo: BoolArray) -> BoolArray:
+    """For every entry (s, d) in ``todo``: the walk from ``start[s, d]`` along
+    ``next_hop[:, d]`` arrives at d without visiting s (one gather per hop, all at once)."""
+    n = next_hop.shape[0]
+    s_idx, d_idx = np.nonzero(todo)
+    cur = start[s_idx, d_idx]
+    ok = np.zeros(s_idx.shape, dtype=bool)
+    live = np.ones(s_idx.shape, dtype=bool)
+    for _ in range(n):
+        arrived = live & (cur == d_idx)
+        ok |= arrived
+        live &= ~arrived & (cur != s_idx) & (cur != NO_ROUTE)
+        if not live.any():
+            break
+        cur = np.where(live, next_hop[np.where(live, cur, 0), d_idx], cur)
+    out = np.zeros(todo.shape, dtype=bool)
+    out[s_idx, d_idx] = ok
+    return out
+
+
+def sticky_bulk(
+    prev: IntArray | None,
+    fresh: IntArray,
+    bandwidth: FloatArray,
+    cost: FloatArray,
+    policy: PolicyConfig,
+    relay_hop_ms: float = 2.0,
+) -> IntArray:
+    """Bulk next hops with hysteresis: an entry keeps its previous next hop while that
+    path still arrives over live links, is at least as wide (bandwidth buckets, as
+    ``widest_routes`` compares them) and the fresh path is not cheaper by the policy's
+    margins. Entries whose walk a mix of old and new would break take the fresh one."""
+    n = fresh.shape[0]
+    if prev is None or prev.shape != (n, n):
+        return fresh
+    w = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
+    np.fill_diagonal(w, 0.0)
+    old_cost = reduce_paths(prev, w)
+    new_cost = reduce_paths(fresh, w)
+    levels = bandwidth_levels(bandwidth).astype(np.float64)
+    np.fill_diagonal(levels, np.inf)
+    old_level = reduce_paths(prev, levels, "min")
+    new_level = reduce_paths(fresh, levels, "min")
+    with np.errstate(invalid="ignore"):
+        keep = (
+            reaches(prev)
+            & np.isfinite(old_cost)
+            & (old_level >= new_level)
+            & ~(new_cost < old_cost - _margin(old_cost, policy))
+        )
+    return keep_where(prev, fresh, keep)
+
+
+@dataclass
+class _RowCache:
+    """Each node's last routes and what they were built from: at 250 nodes building
+    every set from scratch cost a second or more per recompute, and most rows do not
+    change from one recompute to the next."""
+
+    sig: object = None  # names, addresses, keys: any change rebuilds every row
+    rows: dict[str, _Row] = field(default_factory=dict)
+
+
+@dataclass
+class _Row:
+    """One node's routes per destination and what they were built from."""
+
+    inputs: IntArray  # _row_inputs: per destination, a change rebuilds its routes
+    peers: frozenset[str]
+    per_dest: dict[int, list[Route]]
+    routes: list[Route]
+    base: FloatArray
+    dropped: Counter[str]
+
+
+def _row_inputs(c: Computed, s: int, online: IntArray) -> IntArray:
+    """Everything per destination that row ``s``'s routes are made of (but the keys and
+    the bulk settings, checked apart)."""
+    parts = [
+        c.decision.installed.next_hop[s],
+        np.isfinite(c.matrices.cost[s]).astype(np.int64),
+        online,
+    ]
+    if c.backup is not None:
+        parts.append(c.backup[s])
+    elif c.best.backup is not None:
+        parts += [c.best.backup[s], c.best.next_hop[s]]
+    if c.bulk_next_hop is not None:
+        parts.append(c.bulk_next_hop[s])
+    out: IntArray = np.stack([np.asarray(p, dtype=np.int64) for p in parts])
+    return out
+
+
+def _row_base(
+    tuned: dict[tuple[str, str, str], _Tuned],
+    view: MeshView,
+    names: list[str],
+    s: int,
+    only: BoolArray | None = None,
+) -> FloatArray:
+    """The path values row ``s``'s bulk settings came from: hops, PMTU, RTT, rate per
+    destination (NaN where none; ``only``: just those destinations)."""
+    base = np.full((4, len(names)), np.nan)
+    for d, d_name in enumerate(names):
+        if only is not None and not only[d]:
+            continue
+        for addr in view.nodes[d_name].addresses:
+            t = tuned.get((names[s], d_name, addr))
+            if t is not None:
+                base[:, d] = (
+                    t.hops,
+                    t.pmtu,
+                    np.nan if t.rtt is None else t.rtt,
+                    np.nan if t.bw is None else t.bw,
+                )
+                break
+    return base
+
+
+def _row_tuning_holds(paths: _BulkPaths | None, s: int, base: FloatArray) -> BoolArray:
+    """Per destination: every bulk setting of row ``s`` would be kept (``_sticky_tuning``)."""
+    n = base.shape[1]
+    if paths is None:
+        return np.ones(n, dtype=bool)
+    off = np.isnan(base[0])
+    rtt = np.where(np.isfinite(paths.rtt[s]), paths.rtt[s], np.nan)
+    bw = np.where(paths.bw[s] > 0, paths.bw[s], np.nan)
+
+    def close(a: FloatArray, b: FloatArray) -> BoolArray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = a / b
+            ok: BoolArray = (
+                (np.isnan(a) & np.isnan(b))
+                | (a == b)
+                | ((a > 0) & (b > 0) & (r >= 1 / TUNING_TOLERANCE) & (r <= TUNING_TOLERANCE))
+            )
+        return ok
+
+    with np.errstate(invalid="ignore"):
+        pmtu = np.where(np.isfinite(paths.pmtu[s]), paths.pmtu[s], -1.0).astype(np.int64)
+        same = (paths.hops[s] == base[0]) & (pmtu == base[1])
+    out: BoolArray = off | (same & close(rtt, base[2]) & close(bw, base[3]))
+    return out
+
+
+def route_sets(
+    view: MeshView,
+    c: Computed,
+    tuned: dict[tuple[str, str, str], _Tuned] | None = None,
+    cache: _RowCache | None = None,
+) -> dict[str, list[Route]]:
     """The routes of every online node, by name; next hops named by the keys it knows.
 
     A node whose set fails to build is left out and named in ``c.errors``; routes left
-    out of a set are counted in ``c.dropped``.
+    out of a set are counted in ``c.dropped``. ``tuned`` remembers each bulk route's TCP
+    settings between calls (hysteresis, see ``TUNING_TOLERANCE``).
     """
+    tuned = {} if tuned is None else tuned
+    if c.bulk_next_hop is not None:
+        c.bulk_paths = _BulkPaths.of(c.bulk_next_hop, c.matrices)
     owner = view.node_of_key()
     index = {n: i for i, n in enumerate(c.names)}
     out: dict[str, list[Route]] = {}
+    online = np.array([view.nodes[n].online for n in c.names], dtype=np.int64)
+    if cache is not None:
+        sig = (
+            tuple(c.names),
+            tuple(tuple(view.nodes[n].addresses) for n in c.names),
+            frozenset(owner.items()),
+        )
+        if sig != cache.sig:
+            cache.sig = sig
+            cache.rows.clear()
     for s, s_name in enumerate(c.names):
         if not view.nodes[s_name].online:
             continue
+        row = cache.rows.get(s_name) if cache is not None else None
+        inputs = _row_inputs(c, s, online)
+        peers = frozenset(view.nodes[s_name].peers)
+        redo: BoolArray | None = None
+        prev: dict[int, list[Route]] | None = None
+        if row is not None and row.peers == peers:
+            redo = (inputs != row.inputs).any(axis=0) | ~_row_tuning_holds(
+                c.bulk_paths, s, row.base
+            )
+            if not redo.any():
+                out[s_name] = row.routes
+                c.dropped.update(row.dropped)
+                continue
+            prev = row.per_dest
+        before = Counter(c.dropped)
         try:
-            out[s_name] = _node_routes(view, c, s, owner, index)
+            routes, per_dest = _node_routes(view, c, s, owner, index, tuned, prev, redo)
         except NODE_ERRORS as exc:
             c.errors[s_name] = f"{type(exc).__name__}: {exc}"
+            if cache is not None:
+                cache.rows.pop(s_name, None)
+            continue
+        out[s_name] = routes
+        if cache is not None:
+            if row is not None and redo is not None:
+                base = row.base.copy()
+                base[:, redo] = _row_base(tuned, view, c.names, s, redo)[:, redo]
+            else:
+                base = _row_base(tuned, view, c.names, s)
+            cache.rows[s_name] = _Row(inputs, peers, per_dest, routes, base, c.dropped - before)
     return out
 
 
 def _node_routes(
-    view: MeshView, c: Computed, s: int, owner: Mapping[str, str], index: Mapping[str, int]
-) -> list[Route]:
+    view: MeshView,
+    c: Computed,
+    s: int,
+    owner: Mapping[str, str],
+    index: Mapping[str, int],
+    tuned: dict[tuple[str, str, str], _Tuned],
+    prev: Mapping[int, list[Route]] | None = None,
+    redo: BoolArray | None = None,
+) -> tuple[list[Route], dict[int, list[Route]]]:
+    """Row ``s``'s routes, and the same per destination; with ``prev``, destinations not
+    marked in ``redo`` take their routes from it."""
     names = c.names
     nh = c.decision.installed.next_hop
     backup = c.best.backup
@@ -238,21 +593,15 @@ def _node_routes(
         o = owner.get(key)
         if o is not None:
             key_for[index[o]] = key
-    routes: list[Route] = []
-    seen: set[tuple[str, str]] = set()
-
-    def add(route: Route) -> None:
-        # The view gives every prefix one owner; should two destinations still share
-        # one, the first keeps it: a second route to it makes the whole set invalid.
-        if (route.dst, route.table) in seen:
-            c.dropped["duplicate_route"] += 1
-            return
-        seen.add((route.dst, route.table))
-        routes.append(route)
-
+    per_dest: dict[int, list[Route]] = {}
     for d, d_name in enumerate(names):
+        if prev is not None and redo is not None and not redo[d]:
+            if d in prev:
+                per_dest[d] = prev[d]
+            continue
         if d == s or not view.nodes[d_name].online:
             continue
+        add = per_dest.setdefault(d, []).append
         hop = int(nh[s, d])
         if hop == NO_ROUTE or hop not in key_for:
             continue
@@ -262,6 +611,8 @@ def _node_routes(
             # take the direct tunnel; a loop-free alternate of one end need not be
             # the other's.
             b = d if np.isfinite(c.matrices.cost[s, d]) else NO_ROUTE
+        elif c.backup is not None:
+            b = int(c.backup[s, d])
         else:
             b = int(backup[s, d]) if backup is not None else NO_ROUTE
             if b == hop:
@@ -271,12 +622,11 @@ def _node_routes(
         b_key = key_for.get(b) if b not in (NO_ROUTE, hop) else None
         for addr in view.nodes[d_name].addresses:
             add(Route(dst=addr, via=key_for[hop], backup=b_key))
-        if c.bulk_next_hop is not None:
+        if c.bulk_next_hop is not None and c.bulk_paths is not None:
             bh = int(c.bulk_next_hop[s, d])
             if bh != NO_ROUTE and bh in key_for:
-                walk = _walk(c.bulk_next_hop, s, d)
                 for addr in view.nodes[d_name].addresses:
-                    t = bulk_tuning(c.matrices, walk, addr)
+                    t = _sticky_tuning(tuned, (names[s], d_name, addr), c.bulk_paths, s, d)
                     add(
                         Route(
                             dst=addr,
@@ -289,9 +639,22 @@ def _node_routes(
                             initrwnd=t["initrwnd"] if t else None,
                         )
                     )
+    routes = [r for rs in per_dest.values() for r in rs]
+    if len({(r.dst, r.table) for r in routes}) != len(routes):
+        # The view gives every prefix one owner; should two destinations still share
+        # one, the first keeps it: a second route to it makes the whole set invalid.
+        seen: set[tuple[str, str]] = set()
+        unique = []
+        for r in routes:
+            if (r.dst, r.table) in seen:
+                c.dropped["duplicate_route"] += 1
+                continue
+            seen.add((r.dst, r.table))
+            unique.append(r)
+        routes = unique
     if len(routes) > MAX_ROUTES:
         raise RouteSetError(f"{len(routes)} routes, more than a route set holds ({MAX_ROUTES})")
-    return routes
+    return routes, per_dest
 
 
 def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:
@@ -304,19 +667,112 @@ def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:
     return path
 
 
+@dataclass(frozen=True)
+class _Tuned:
+    """A bulk route's TCP settings and the path values they were computed from."""
+
+    hops: int
+    pmtu: int
+    rtt: float | None
+    bw: float | None
+    tuning: TcpTuning | None
+
+
+@dataclass(frozen=True)
+class _BulkPaths:
+    """What tuning reads of every bulk path, for all pairs at once (a Python walk per
+    pair cost seconds at 250 nodes): hop count, RTT sum and smallest rate and PMTU."""
+
+    hops: FloatArray
+    rtt: FloatArray  # inf: a hop unmeasured
+    bw: FloatArray  # 0: a hop without a rate
+    pmtu: FloatArray
+
+    @classmethod
+    def of(cls, next_hop: IntArray, m: Matrices) -> _BulkPaths:
+        n = next_hop.shape[0]
+        diag = np.eye(n, dtype=bool)
+        ones = np.where(diag, 0.0, 1.0)
+        rtt = np.where(diag, 0.0, np.where(np.isfinite(m.rtt), m.rtt, np.inf))
+        with np.errstate(invalid="ignore"):
+            bw = np.where(diag, np.inf, np.where(m.bandwidth > 0, m.bandwidth, 0.0))
+        pmtu = np.where(diag, np.inf, np.asarray(m.pmtu, dtype=np.float64))
+        return cls(
+            hops=reduce_paths(next_hop, ones),
+            rtt=reduce_paths(next_hop, rtt),
+            bw=reduce_paths(next_hop, bw, "min"),
+            pmtu=reduce_paths(next_hop, pmtu, "min"),
+        )
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    if a <= 0 or b <= 0:
+        return a == b
+    return 1 / TUNING_TOLERANCE <= a / b <= TUNING_TOLERANCE
+
+
+def _sticky_tuning(
+    tuned: dict[tuple[str, str, str], _Tuned],
+    key: tuple[str, str, str],
+    paths: _BulkPaths,
+    s: int,
+    d: int,
+) -> TcpTuning | None:
+    """``bulk_tuning``, unless the path's RTT and rate are still close to the values its
+    last settings came from (same hop count and PMTU): then those settings (no new route
+    set for noise)."""
+    hops = paths.hops[s, d]
+    if not np.isfinite(hops) or hops < 1:
+        return None
+    r, b = float(paths.rtt[s, d]), float(paths.bw[s, d])
+    rtt = r if np.isfinite(r) else None
+    bw = b if b > 0 else None
+    pmtu = int(paths.pmtu[s, d])
+    old = tuned.get(key)
+    if (
+        old is not None
+        and old.hops == int(hops)
+        and old.pmtu == pmtu
+        and _close(old.rtt, rtt)
+        and _close(old.bw, bw)
+    ):
+        return old.tuning
+    t = _tuning(rtt, bw, (pmtu,) * int(hops), key[2], int(hops))
+    tuned[key] = _Tuned(int(hops), pmtu, rtt, bw, t)
+    return t
+
+
+def _path_values(
+    m: Matrices, path: list[int]
+) -> tuple[float | None, float | None, tuple[int, ...]]:
+    """Measured RTT (sum), bottleneck rate and per-hop PMTUs along ``path``."""
+    hops = list(itertools.pairwise(path))
+    rtts = [m.rtt[a, b] for a, b in hops]
+    rtt = float(sum(rtts)) if all(np.isfinite(rtts)) else None
+    bws = [m.bandwidth[a, b] for a, b in hops]
+    bw = float(min(bws)) if all(x > 0 for x in bws) else None
+    return rtt, bw, tuple(int(m.pmtu[a, b]) for a, b in hops)
+
+
 def bulk_tuning(m: Matrices, path: list[int], dst: str) -> TcpTuning | None:
     """Route attributes for the bulk route along ``path`` (measured RTT, bottleneck rate).
 
     Each hop is its own WireGuard tunnel (the relay re-encrypts), so the MTU is the
     narrowest hop's, minus the overhead, not the sum of overheads.
     """
-    hops = list(itertools.pairwise(path))
-    if not hops:
+    if len(path) < 2:
         return None
-    rtts = [m.rtt[a, b] for a, b in hops]
-    rtt = float(sum(rtts)) if all(np.isfinite(rtts)) else None
-    bws = [m.bandwidth[a, b] for a, b in hops]
-    bw = float(min(bws)) if all(x > 0 for x in bws) else None
+    rtt, bw, pmtus = _path_values(m, path)
+    return _tuning(rtt, bw, pmtus, dst, len(path) - 1)
+
+
+def _tuning(
+    rtt: float | None, bw: float | None, pmtus: tuple[int, ...], dst: str, n_hops: int
+) -> TcpTuning | None:
+    if n_hops < 1:
+        return None
     # Coarse steps (RTT to a power of two, rate to a power of 1.25): the windows change
     # when the path does, not with every measurement (each change is a new route set).
     # A zero RTT (a rounded loopback) or a rate that rounds to nothing tunes nothing.
@@ -324,7 +780,6 @@ def bulk_tuning(m: Matrices, path: list[int], dst: str) -> TcpTuning | None:
     if bw is not None:
         bw = float(1.25 ** math.floor(math.log(bw, 1.25)))
         bw = bw if bw > 0 else None
-    pmtus = [int(m.pmtu[a, b]) for a, b in hops]
     family = socket.AF_INET6 if ":" in dst else socket.AF_INET
     # A path narrower than the family's minimum MTU (an IPv6 route over a 1000-byte
     # path) cannot be tuned to fit: such a measurement counts as none (the default MTU).
@@ -335,5 +790,5 @@ def bulk_tuning(m: Matrices, path: list[int], dst: str) -> TcpTuning | None:
         family,
         bw,
         rtt,
-        relay_hops=len(hops) - 1,
+        relay_hops=n_hops - 1,
     )

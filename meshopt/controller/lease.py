@@ -81,6 +81,20 @@ class LeaseKeeper:
         if self.role == "active" and lease.controller != self.me and lease.term >= self.term:
             self.role = "standby"  # someone else holds a newer (or equal) term
 
+    def own_published(self, lease: Lease) -> None:
+        """Our renewal, which the broker took (PUBACK): held from now on, as its echo
+        would make it. Only while active in that term, and never over a newer lease."""
+        cur = self.current
+        if self.role != "active" or lease.controller != self.me or lease.term != self.term:
+            return
+        if cur is not None and (
+            cur.term > lease.term
+            or (cur.term == lease.term and cur.controller != self.me)
+            or (cur.controller == self.me and cur.issued_at >= lease.issued_at)
+        ):
+            return
+        self.current = lease
+
     def on_controller_offline(self, controller: str) -> None:
         if self.current is not None and self.current.controller == controller != self.me:
             self.holder_gone = True
