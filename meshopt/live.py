@@ -169,7 +169,7 @@ class LiveView:
         if t is None or d is None:
             return None
         keys = {d.public_key, *d.public_keys}
-        return next((p for p in t.peers if p.public_key in keys), None)
+        return next((p for p in t.reports() if p.public_key in keys), None)
 
     def measured_rtt(self, src: str, dst: str) -> float | None:
         """RTT of the tunnel src-dst as src measured it (smoothed), None if not measured."""

@@ -6,8 +6,10 @@ TLS listener with client certificates, password file, ACL; the synthetic agents 
 plain unix socket, same users and ACL, unless ``--transport tls``), the real controller
 process (``meshopt controller --config``, every node enrolled), and N synthetic agents
 in this process (meshopt.bench.synthetic: one MQTT session each, telemetry and status
-signed by the agent's own code, full snapshots every 5 s from a generated geographic
-mesh plus noise, route sets verified as an agent does). It measures:
+signed by the agent's own code and sent at the agent's own cadence: full snapshots at the
+interval that stretches with the peer count, change reports of the peers that moved,
+heartbeats; values from a generated geographic mesh plus noise; route sets verified as
+an agent does). It measures:
 
 * ``first_routes_s``: from the first connect until every node holds a verified route set;
 * a steady window: controller, broker and generator CPU (% of one core, from
@@ -17,7 +19,10 @@ mesh plus noise, route sets verified as an agent does). It measures:
   ``death``: a node stops (offline status, the will). For each, the time from the
   change's publish to each updated node's subscriber holding the new signed route set
   (median, p95), and how many nodes were updated;
-* the route-set and snapshot sizes in bytes.
+* the route-set, snapshot and heartbeat sizes in bytes.
+
+``--ingest`` also times the controller core's ingest in-process (per full snapshot,
+change report and heartbeat, rows and matrices); ``--ingest-only`` does only that.
 
 Medians over ``--runs`` (every run's values kept), the goals of issue 15, and how each
 figure grows with N (the exponent k of N^k from the smallest N to each larger one).
@@ -25,6 +30,7 @@ figure grows with N (the exponent k of N^k from the smallest N to each larger on
     .venv/bin/python scripts/bench_scale.py --quick
     .venv/bin/python scripts/bench_scale.py --nodes 50,250 --runs 3 --out scale.json
     .venv/bin/python scripts/bench_scale.py --nodes 1000 --runs 1 --baseline scale.json
+    .venv/bin/python scripts/bench_scale.py --nodes 250,1000 --ingest-only
 """
 
 from __future__ import annotations
@@ -66,6 +72,9 @@ FIGURES: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "nodes_with_routes": (("nodes_with_routes",), None, None),
     "route_set_bytes_median": (("route_set_bytes_median",), None, None),
     "telemetry_snapshot_bytes": (("telemetry_snapshot_bytes",), None, None),
+    "telemetry_heartbeat_bytes": (("telemetry_heartbeat_bytes",), None, None),
+    "telemetry_msgs_per_s": (("steady", "telemetry_msgs_per_s"), None, None),
+    "agent_full_interval_s": (("steady", "agent_full_interval_s"), None, None),
     "first_routes_s": (("first_routes_s",), None, None),
     "degrade_nodes_updated": (("degrade", "nodes_updated"), None, None),
     "death_nodes_updated": (("death", "nodes_updated"), None, None),
@@ -116,6 +125,17 @@ def exponents(sizes: dict[str, Any]) -> dict[str, dict[str, float | None]]:
     return out
 
 
+def _ingest_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each numeric ingest figure over the runs."""
+    out: dict[str, Any] = {}
+    for k, v in runs[0].items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = statistics.median(r[k] for r in runs)
+        else:
+            out[k] = v
+    return out
+
+
 def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, float]:
     """new / old of every figure median both have (same N)."""
     out: dict[str, float] = {}
@@ -134,6 +154,10 @@ def compare(new: dict[str, Any], old: dict[str, Any]) -> dict[str, float]:
 def headline(result: dict[str, Any]) -> str:
     parts = []
     for n, entry in result["sizes"].items():
+        if "figures" not in entry:
+            ing = entry.get("ingest", {})
+            parts.append(f"n={n}: ingest {ing.get('ingest_ms_per_snapshot')} ms/snapshot")
+            continue
         f = entry["figures"]
         parts.append(
             f"n={n}: degrade {f['degrade_latency_median_s']['median']}s"
@@ -182,13 +206,19 @@ def main(argv: list[str] | None = None) -> int:
         "--full-interval",
         type=float,
         default=5.0,
-        help="agents' snapshot interval (default the agent's 5 s; otherwise the "
-        "controller's stale_after_s becomes 3x it)",
+        help="agents' base telemetry interval, telemetry.full_interval_s (default 5 s: "
+        "heartbeats, and snapshots up to 30 peers, stretching above); otherwise the "
+        "controller's stale_after_s becomes 3x it",
     )
     ap.add_argument(
         "--ingest",
         action="store_true",
-        help="also time the controller core's ingest per snapshot in-process, per size",
+        help="also time the controller core's ingest per message in-process, per size",
+    )
+    ap.add_argument(
+        "--ingest-only",
+        action="store_true",
+        help="only time the ingest in-process (no broker, no controller process)",
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
@@ -231,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         for n in sizes:
-            runs = []
+            runs: list[dict[str, Any]] = []
+            if args.ingest_only:
+                mesh = SyntheticMesh(n, args.seed)
+                cost = [ingest_cost(mesh, args.profile) for _ in range(args.runs)]
+                result["sizes"][str(n)] = {"ingest": _ingest_medians(cost), "ingest_runs": cost}
+                continue
             for i in range(args.runs):
                 print(f"# n={n} run {i + 1}/{args.runs}", file=sys.stderr, flush=True)
                 settings = RunSettings(
@@ -256,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     except MeshoptError as exc:
         print(f"bench_scale: {exc}", file=sys.stderr)
         return 1
-    result["exponents"] = exponents(result["sizes"])
+    if not args.ingest_only:
+        result["exponents"] = exponents(result["sizes"])
     result["meta"]["loadavg"]["end"] = list(os.getloadavg())
     if old is not None:
         result["vs_baseline"] = compare(result, old)

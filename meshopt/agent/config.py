@@ -87,6 +87,10 @@ class TelemetrySettings:
     rtt_change_ms: float = 1.0
     rtt_change_rel: float = 0.10
     loss_change: float = 0.01
+    # Above full_peers peers the full-snapshot interval grows with the peer count (its
+    # bytes per second stay flat), up to max_full_interval_s (meshopt.agent.telemetry).
+    full_peers: int = 30
+    max_full_interval_s: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -292,6 +296,10 @@ def check_config(cfg: AgentConfig) -> None:
     check_broker_settings(cfg.broker)  # reads the TLS and password files: --check sees them
     if cfg.telemetry.full_interval_s < cfg.telemetry.check_interval_s:
         raise InputError("telemetry.full_interval_s must be >= telemetry.check_interval_s")
+    if cfg.telemetry.max_full_interval_s < cfg.telemetry.full_interval_s:
+        raise InputError("telemetry.max_full_interval_s must be >= telemetry.full_interval_s")
+    if cfg.telemetry.full_peers < 1:
+        raise InputError("telemetry.full_peers must be at least 1")
     for name in ("identity_key", "state_dir", "wireguard_run_dir"):
         if "\0" in getattr(cfg, name):
             raise InputError(f"{name} must not contain a NUL character")

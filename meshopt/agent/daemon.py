@@ -39,7 +39,7 @@ from meshopt.agent.peers import PeerTracker
 from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
 from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
-from meshopt.agent.telemetry import Capacity, peer_report, significant
+from meshopt.agent.telemetry import Cadence, Capacity, peer_report, signed_telemetry
 from meshopt.agent.wgquick import warn_save_config
 from meshopt.bus.client import BusClient
 from meshopt.bus.messages import Counters, PeerReport, RouteSet
@@ -164,8 +164,7 @@ class Agent:
         self.transfer: TransferServer | None = None
         self.addresses: list[str] = []
         self.interfaces: list[str] = []
-        self.last_published: dict[str, PeerReport] = {}
-        self.last_full = -1e18
+        self.cadence = Cadence()  # full snapshots, change reports, heartbeats
         self.installed_routes = 0
         self.installed: list[DesiredRoute] = []  # the last apply's routes (metrics, status)
         self.apply_errors: list[str] = []  # what the kernel refused in the last apply
@@ -604,7 +603,7 @@ class Agent:
         await self.bus.publish(
             self.topics.status(self.cfg.node), self.core.online(self.wall()), retain=True, qos=1
         )
-        self.last_full = -1e18  # a fresh full snapshot for whoever listens now
+        self.cadence.reset()  # a fresh full snapshot for whoever listens now
         if not self._told_ready:  # WireGuard was read in _setup; now the broker is here
             self._told_ready = True
             sdnotify.ready(f"running: {len(self.tracker.peers)} peers, broker connected")
@@ -647,8 +646,8 @@ class Agent:
             await asyncio.sleep(cfg.check_interval_s)
             reports = self.reports()
             now = self.clock()
-            full = now - self.last_full >= cfg.full_interval_s
-            if not full and not significant(self.last_published, reports, cfg):
+            plan = self.cadence.plan(reports, now, cfg)
+            if plan is None:
                 continue
             if not self.tracker.own_keys:
                 # No interface read yet (not up, or its socket refused us): telemetry
@@ -665,20 +664,18 @@ class Agent:
             if timer.count:
                 counters["probe_timer_error_median_us"] = round(timer.median_us() or 0)
                 counters["probe_timer_error_p95_us"] = round(timer.p95_us() or 0)
-            msg = self.core.telemetry(
+            msg = signed_telemetry(
+                self.core,
                 self.wall(),
                 public_keys=[self.tracker.own_keys[i] for i in sorted(self.tracker.own_keys)],
                 addresses=self.addresses,
-                full=full,
-                peers=list(reports.values()),
-                counters=counters,
+                plan=plan,
+                counters=counters if plan.full else {},  # change reports stay small
             )
             # Full snapshots are retained: a controller or `meshopt routes` that starts
             # later gets every node's latest picture at once.
-            if await self.bus.publish(self.topics.telemetry(self.cfg.node), msg, retain=full):
-                self.last_published = reports
-                if full:
-                    self.last_full = now
+            if await self.bus.publish(self.topics.telemetry(self.cfg.node), msg, retain=plan.full):
+                self.cadence.sent(plan, now)
 
     # --- bandwidth --------------------------------------------------------------------
 

@@ -1,21 +1,33 @@
 """What the agent tells the controller, and when a change is worth telling at once.
 
-A full snapshot goes out every ``full_interval_s`` (so a controller that starts late, or
-missed messages, catches up); in between, a report goes out as soon as a peer appears or
-disappears, flips between alive and dead, or its RTT or loss moves by more than the
-configured thresholds. Pure: the daemon supplies readings and times.
+A full snapshot (retained: a controller that starts late, or missed messages, catches
+up) goes out every :func:`full_interval`: ``full_interval_s`` up to ``full_peers`` peers,
+then stretching in proportion to the peer count (a snapshot's size grows with it, so the
+uplink it costs stays flat) up to ``max_full_interval_s``. Between snapshots a change
+report carries only the peers whose values moved significantly (:func:`changed_peers`:
+alive/dead flips, a new or lost RTT, an RTT or loss step over the thresholds); it goes out
+at the next check, so reaction time does not depend on the snapshot interval. When
+nothing changed for ``full_interval_s``, an empty change report tells the controller the
+agent is alive (a few hundred bytes). A peer appearing or disappearing sends a full
+snapshot at once. Telemetry carries its peers as a columnar table (see
+meshopt.bus.messages.PeerTable). Pure: the daemon supplies readings and times.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.peers import PeerInfo
-from meshopt.bus.messages import PeerReport, Telemetry
+from meshopt.bus.messages import PeerReport, Telemetry, peer_table
+from meshopt.bus.signing import sign
 from meshopt.probe.stats import ProbeStats
+
+if TYPE_CHECKING:
+    from meshopt.agent.core import AgentCore
 
 
 @dataclass(frozen=True)
@@ -48,7 +60,7 @@ def peer_report(
         rtt_min_ms=_finite(stats.rtt_min_ms) if stats else None,
         rtt_median_ms=_finite(stats.rtt_median_ms) if stats else None,
         rtt_p95_ms=_finite(stats.rtt_p95_ms) if stats else None,
-        jitter_ms=_finite(stats.jitter_ms) if stats else None,
+        jitter_ms=_finite(stats.rtt_std_ms) if stats else None,  # sigma: meshopt.estimate
         noise_ms=_finite(stats.noise_ms) if stats else None,
         loss=stats.loss if stats and stats.sent else None,
         samples=stats.samples if stats else 0,
@@ -65,27 +77,100 @@ def peer_report(
     )
 
 
+def peer_changed(o: PeerReport, n: PeerReport, cfg: TelemetrySettings) -> bool:
+    """True when one peer's report moved enough since it was last published to tell now."""
+    if o.alive != n.alive:
+        return True
+    if (o.rtt_ms is None) != (n.rtt_ms is None):
+        return True
+    if o.rtt_ms is not None and n.rtt_ms is not None:
+        step = abs(n.rtt_ms - o.rtt_ms)
+        if step >= cfg.rtt_change_ms and step >= cfg.rtt_change_rel * o.rtt_ms:
+            return True
+    return (o.loss or 0.0) != (n.loss or 0.0) and abs(
+        (n.loss or 0.0) - (o.loss or 0.0)
+    ) >= cfg.loss_change
+
+
+def changed_peers(
+    old: Mapping[str, PeerReport], new: Mapping[str, PeerReport], cfg: TelemetrySettings
+) -> list[str]:
+    """Keys of the peers of ``new`` whose report moved significantly since ``old``."""
+    return [k for k, n in new.items() if k not in old or peer_changed(old[k], n, cfg)]
+
+
 def significant(
     old: Mapping[str, PeerReport], new: Mapping[str, PeerReport], cfg: TelemetrySettings
 ) -> bool:
     """True when ``new`` differs from what was last published enough to publish now."""
     if set(old) != set(new):
         return True
-    for key, n in new.items():
-        o = old[key]
-        if o.alive != n.alive:
-            return True
-        if (o.rtt_ms is None) != (n.rtt_ms is None):
-            return True
-        if o.rtt_ms is not None and n.rtt_ms is not None:
-            step = abs(n.rtt_ms - o.rtt_ms)
-            if step >= cfg.rtt_change_ms and step >= cfg.rtt_change_rel * o.rtt_ms:
-                return True
-        if (o.loss or 0.0) != (n.loss or 0.0) and abs(
-            (n.loss or 0.0) - (o.loss or 0.0)
-        ) >= cfg.loss_change:
-            return True
-    return False
+    return any(peer_changed(old[k], n, cfg) for k, n in new.items())
+
+
+def full_interval(peers: int, cfg: TelemetrySettings) -> float:
+    """Seconds between full snapshots for ``peers`` peers.
+
+    ``full_interval_s`` up to ``full_peers`` peers, then proportional to the peer count
+    (bytes per second stay what ``full_peers`` peers cost at ``full_interval_s``), at
+    most ``max_full_interval_s``; never below ``full_interval_s``.
+    """
+    stretched = cfg.full_interval_s * peers / max(cfg.full_peers, 1)
+    return max(cfg.full_interval_s, min(stretched, cfg.max_full_interval_s))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One telemetry message to send: a full snapshot or a change report of ``peers``."""
+
+    full: bool
+    peers: list[PeerReport]
+    interval_s: float  # the full-snapshot interval, announced in the message
+
+
+@dataclass
+class Cadence:
+    """When to send a full snapshot, a change report or a heartbeat (pure; times injected).
+
+    The caller asks :meth:`plan` at every check, publishes what it returns, and calls
+    :meth:`sent` once the broker took it (a failed publish is retried at the next check).
+    """
+
+    last_published: dict[str, PeerReport] = field(default_factory=dict)
+    last_full: float = -math.inf
+    last_sent: float = -math.inf
+
+    def reset(self) -> None:
+        """Send a full snapshot at the next check (e.g. a new broker session)."""
+        self.last_full = -math.inf
+
+    def plan(
+        self, reports: Mapping[str, PeerReport], now: float, cfg: TelemetrySettings
+    ) -> Plan | None:
+        interval = full_interval(len(reports), cfg)
+        if now - self.last_full >= interval or set(reports) != set(self.last_published):
+            return Plan(True, list(reports.values()), interval)
+        keys = changed_peers(self.last_published, reports, cfg)
+        # The heartbeat: due half a check early, so a check landing just short of the
+        # interval does not push it a whole check later.
+        if keys or now - self.last_sent >= cfg.full_interval_s - cfg.check_interval_s / 2:
+            return Plan(False, [reports[k] for k in keys], interval)
+        return None
+
+    def next_due(self, peers: int, cfg: TelemetrySettings) -> float:
+        """When the next snapshot or heartbeat falls due if no value changes (a caller
+        whose values move only when it is told, like the scale benchmark's agents, may
+        sleep until then instead of checking every ``check_interval_s``)."""
+        beat = self.last_sent + cfg.full_interval_s - cfg.check_interval_s / 2
+        return min(beat, self.last_full + full_interval(peers, cfg))
+
+    def sent(self, plan: Plan, now: float) -> None:
+        if plan.full:
+            self.last_published = {p.public_key: p for p in plan.peers}
+            self.last_full = now
+        else:
+            self.last_published.update((p.public_key, p) for p in plan.peers)
+        self.last_sent = now
 
 
 def telemetry(
@@ -100,7 +185,9 @@ def telemetry(
     peers: Sequence[PeerReport],
     counters: Mapping[str, int],
     session: int = 0,
+    full_interval_s: float = 0.0,
 ) -> Telemetry:
+    """The message; its peers travel as a columnar table (meshopt.bus.messages.PeerTable)."""
     return Telemetry(
         mesh=mesh,
         node=node,
@@ -111,6 +198,34 @@ def telemetry(
         session=session,
         sent_at=sent_at,
         full=full,
-        peers=list(peers),
+        table=peer_table(peers),
         counters=dict(counters),
+        full_interval_s=full_interval_s,
     )
+
+
+def signed_telemetry(
+    core: AgentCore,
+    wall: float,
+    *,
+    public_keys: Sequence[str],
+    addresses: Sequence[str],
+    plan: Plan,
+    counters: Mapping[str, int],
+) -> bytes:
+    """The signed message for ``plan``, with the agent's seq, session and identity (as
+    :meth:`AgentCore.telemetry` signs it, plus the announced full interval)."""
+    t = telemetry(
+        mesh=core.mesh,
+        node=core.node,
+        public_keys=public_keys,
+        addresses=addresses,
+        seq=core.next_seq(),
+        session=core.session,
+        sent_at=wall,
+        full=plan.full,
+        peers=plan.peers,
+        counters=counters,
+        full_interval_s=plan.interval_s,
+    )
+    return sign("telemetry", t, core.identity, core.key_id)

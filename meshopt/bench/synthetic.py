@@ -11,11 +11,15 @@ the telemetry and status (built by meshopt.agent.telemetry) and verifies the rou
 exactly as an agent does before installing them.
 
 Values come from a generated geographic mesh (``gen:geo:n=N,seed=S``): every agent
-reports every other node as a peer with that pair's RTT, jitter and loss plus noise,
-in full snapshots every 5 s (the agent's default ``full_interval_s``, retained as the
-agent does) and change reports (``full=False``, all peers, as the agent sends them)
-when an injected change moves a link. Only the probing itself is left out: the values
-it would measure are synthesised.
+reports every other node as a peer with that pair's RTT, jitter and loss plus noise.
+What goes out when is the agent's own :class:`meshopt.agent.telemetry.Cadence`: full
+snapshots (retained) at the interval that stretches with the peer count, change reports
+of only the peers that moved (an injected change), an empty change report as heartbeat
+every ``full_interval_s``. A real agent checks every second; a synthetic one checks when
+the cadence says a snapshot or heartbeat falls due (its values move only by noise below
+the change thresholds) and at once when a change is injected. Each agent's snapshot
+phase is random, as for agents started at different times. Only the probing itself is
+left out: the values it would measure are synthesised.
 
 Injected changes, timed end to end (from the publish of the change's telemetry to the
 signed route sets arriving at the subscribers of the nodes whose routes changed):
@@ -49,7 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.core import AgentCore, RouteState
+from meshopt.agent.telemetry import Cadence, Plan, full_interval, signed_telemetry
 from meshopt.bus.client import BrokerSettings, BusClient
 from meshopt.bus.messages import MAX_PAYLOAD_BYTES, PeerReport, RouteSet
 from meshopt.bus.signing import SigningKey, public_key_b64
@@ -59,6 +65,9 @@ from meshopt.errors import MeshoptError
 MESH: Final = "bench"
 CONTROLLER_ID: Final = "ctl1"
 FULL_INTERVAL_S: Final = 5.0  # the agent's default telemetry.full_interval_s
+# Snapshots sent so far by an agent that has run a while: sizes are measured with its
+# counters (probes sent, bytes) filled, as they are in steady state.
+RUNNING_SENT: Final = 1000
 Profile = Literal["agent", "lean"]
 Transport = Literal["unix", "tls"]
 
@@ -427,11 +436,17 @@ class SyntheticAgent:
     watch: tuple[float, Callable[[RouteSet], bool]] | None = None
     fixed_at: float | None = None
     build_s: float = 0.0  # CPU time building and signing telemetry
-    full_interval_s: float = FULL_INTERVAL_S
+    full_interval_s: float = FULL_INTERVAL_S  # the base interval (telemetry.full_interval_s)
+    fulls: int = 0
+    changes: int = 0  # change reports with peers in them
+    heartbeats: int = 0  # empty change reports
 
     def __post_init__(self) -> None:
         node = self.mesh.nodes[self.index]
         self.node = node
+        self.tcfg = TelemetrySettings(full_interval_s=self.full_interval_s)
+        self.cadence = Cadence()
+        self._phased = False
         self.topics = Topics(MESH)
         self.core = AgentCore(
             MESH, node.name, node.identity, [self.controller_key], RouteState(), time.time()
@@ -458,6 +473,7 @@ class SyntheticAgent:
     async def _on_connect(self) -> None:
         status = self.core.online(time.time())
         await self._publish(self.topics.status(self.node.name), status, qos=1, retain=True)
+        self.cadence.reset()
         await self.telemetry(full=True)
 
     async def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
@@ -475,31 +491,62 @@ class SyntheticAgent:
         """Time the first route set from ``since`` on that passes ``test``."""
         self.watch, self.fixed_at = (since, test), None
 
-    async def telemetry(self, *, full: bool) -> bool:
-        """Build, sign and publish one report (full snapshots retained, as the agent does)."""
-        t0 = time.process_time()
+    def plan(self, *, full: bool = False) -> Plan | None:
+        """What the agent's cadence sends now (``full``: a snapshot whatever is due)."""
         self.snapshots += 1
         peers = self.mesh.reports(
             self.index, self.rng, profile=self.profile, factor=self.factor, sent=self.snapshots
         )
-        msg = self.core.telemetry(
+        if full:
+            self.cadence.reset()
+        return self.cadence.plan({p.public_key: p for p in peers}, time.monotonic(), self.tcfg)
+
+    async def telemetry(self, *, full: bool = False) -> bool:
+        """One check of the agent's cadence: build, sign and publish what is due (full
+        snapshots retained, as the agent does); False when nothing was due or sent."""
+        t0 = time.process_time()
+        plan = self.plan(full=full)
+        if plan is None:
+            self.build_s += time.process_time() - t0
+            return False
+        msg = signed_telemetry(
+            self.core,
             time.time(),
             public_keys=[self.node.wg_key],
             addresses=[self.node.address],
-            full=full,
-            peers=peers,
+            plan=plan,
             counters={},
         )
         self.build_s += time.process_time() - t0
-        return await self._publish(self.topics.telemetry(self.node.name), msg, qos=0, retain=full)
+        now = time.monotonic()
+        ok = await self._publish(
+            self.topics.telemetry(self.node.name), msg, qos=0, retain=plan.full
+        )
+        if ok:
+            self.cadence.sent(plan, now)
+            if plan.full:
+                self.fulls += 1
+                if not self._phased:
+                    # Agents start at different times: a random snapshot phase.
+                    self._phased = True
+                    self.cadence.last_full -= self.rng.uniform(0.0, plan.interval_s)
+            elif plan.peers:
+                self.changes += 1
+            else:
+                self.heartbeats += 1
+        return ok
 
     async def _snapshots(self) -> None:
         await asyncio.sleep(self.rng.uniform(0.0, self.full_interval_s))
+        peers = self.mesh.n - 1
         while True:
-            start = time.monotonic()
             if self.bus.connected:
-                await self.telemetry(full=True)
-            await asyncio.sleep(max(0.0, self.full_interval_s - (time.monotonic() - start)))
+                await self.telemetry()
+            # Values move only when a change is injected (which checks at once), so the
+            # next check is when the cadence says something falls due; a real agent gets
+            # there by checking every second.
+            due = self.cadence.next_due(peers, self.tcfg) - time.monotonic()
+            await asyncio.sleep(min(max(due, 0.05), self.full_interval_s))
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.bus.run(self._on_message))
@@ -539,8 +586,8 @@ class RunSettings:
     quiet_s: float = 3.0  # a change's fan-out is over after this long without a route set
     connect_batch: int = 50
     lease_s: float | None = None  # the controller's lease_s; None: its default (3 s)
-    # Snapshot cadence; anything but the agent's 5 s also sets the controller's
-    # stale_after_s to 3x it (its default is 15 s for 5 s snapshots).
+    # The agents' base telemetry interval (full_interval_s: heartbeats, and snapshots up
+    # to 30 peers); anything but 5 s also sets the controller's stale_after_s to 3x it.
     full_interval_s: float = FULL_INTERVAL_S
 
 
@@ -778,6 +825,11 @@ async def _run(
     msgs0 = sum(a.messages_up for a in agents)
     sets0 = sum(len(a.arrivals) for a in agents)
     lag0 = len(lags)
+    kinds0 = (
+        sum(a.fulls for a in agents),
+        sum(a.changes for a in agents),
+        sum(a.heartbeats for a in agents),
+    )
     await asyncio.sleep(s.steady_s)
     stack.check_alive()
     dt = s.steady_s
@@ -789,6 +841,12 @@ async def _run(
     )
     steady["route_sets_per_s"] = round((sum(len(a.arrivals) for a in agents) - sets0) / dt, 2)
     steady["telemetry_msgs_per_s"] = round((sum(a.messages_up for a in agents) - msgs0) / dt, 1)
+    steady["agent_full_interval_s"] = round(full_interval(len(agents) - 1, agents[0].tcfg), 1)
+    steady["telemetry_kinds"] = {
+        "full": sum(a.fulls for a in agents) - kinds0[0],
+        "change": sum(a.changes for a in agents) - kinds0[1],
+        "heartbeat": sum(a.heartbeats for a in agents) - kinds0[2],
+    }
     ctl_pid = stack.controller.pid if stack.controller else 0
     rss, hwm = proc_rss_mb(ctl_pid)
     steady["controller_rss_mb"] = round(rss, 1)
@@ -806,9 +864,10 @@ async def _run(
         int(statistics.median(len(rs.routes) for rs in sizes)) if sizes else None
     )
     out["telemetry_snapshot_bytes"] = _snapshot_bytes(agents[0])
+    out["telemetry_heartbeat_bytes"] = _snapshot_bytes(agents[0], full=False)
     out["max_payload_bytes"] = MAX_PAYLOAD_BYTES
 
-    # A link degrades: both ends report it at once (change reports, all peers).
+    # A link degrades: both ends report it at once (change reports of that one peer).
     progress("steady window done; degrading a link")
     link = _busiest_direct_link(agents) if with_routes else None
     if link is None:
@@ -867,14 +926,18 @@ def _timeouts(stack: Stack) -> dict[str, int]:
     return out
 
 
-def _snapshot_bytes(agent: SyntheticAgent) -> int:
-    """Size of one full snapshot as published (signed envelope)."""
-    msg = agent.core.telemetry(
+def _snapshot_bytes(agent: SyntheticAgent, full: bool = True) -> int:
+    """Size of one full snapshot (or an empty change report) as published, signed."""
+    peers = agent.mesh.reports(
+        agent.index, random.Random(0), profile=agent.profile, sent=RUNNING_SENT
+    )
+    plan = Plan(full, peers if full else [], full_interval(len(peers), agent.tcfg))
+    msg = signed_telemetry(
+        AgentCore(MESH, agent.node.name, agent.node.identity, [], RouteState(), time.time()),
         time.time(),
         public_keys=[agent.node.wg_key],
         addresses=[agent.node.address],
-        full=True,
-        peers=agent.mesh.reports(agent.index, random.Random(0), profile=agent.profile),
+        plan=plan,
         counters={},
     )
     return len(msg)
@@ -899,9 +962,12 @@ def _controller_problems(stack: Stack) -> list[str]:
 
 
 def ingest_cost(mesh: SyntheticMesh, profile: Profile = "agent", rounds: int = 2) -> dict[str, Any]:
-    """CPU of the controller's own code (ControllerCore.on_message) per full snapshot,
-    in this process: every node's snapshot ``rounds`` times, signatures checked. With
-    N nodes at one snapshot per 5 s, N / 5 * this is the controller's ingest share."""
+    """CPU of the controller's own code (ControllerCore.on_message) per message, in this
+    process, signatures checked: full snapshots (every node's, ``rounds`` times), change
+    reports of one peer and empty ones (heartbeats). Also what reading a node's peer rows
+    costs once per snapshot (the view builds them on first read, for the recompute), and
+    one ``matrices`` of the whole view. The share of a core is at the agents' cadence:
+    a snapshot per :func:`full_interval`, a heartbeat per ``full_interval_s``."""
     from meshopt.bus.signing import generate_signing_key
     from meshopt.controller.config import ControllerConfig, Enrolment
     from meshopt.controller.core import ControllerCore
@@ -918,27 +984,56 @@ def ingest_cost(mesh: SyntheticMesh, profile: Profile = "agent", rounds: int = 2
     agents = [
         AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time()) for x in mesh.nodes
     ]
+    tcfg = TelemetrySettings()
+    interval = full_interval(mesh.n - 1, tcfg)
     rng = random.Random(mesh.seed)
-    spent = 0.0
-    sizes: list[int] = []
+    spent = {"full": 0.0, "change": 0.0, "heartbeat": 0.0, "rows": 0.0}
+    count = {"full": 0, "change": 0, "heartbeat": 0}
+    sizes: dict[str, int] = {}
+    view = core.view
     for _ in range(rounds):
         for x, ag in zip(mesh.nodes, agents, strict=True):
-            msg = ag.telemetry(
-                time.time(),
-                public_keys=[x.wg_key],
-                addresses=[x.address],
-                full=True,
-                peers=mesh.reports(x.index, rng, profile=profile),
-                counters={},
-            )
-            sizes.append(len(msg))
-            t0 = time.process_time()
-            core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
-            spent += time.process_time() - t0
-    per_ms = 1000 * spent / (rounds * mesh.n)
+            peers = mesh.reports(x.index, rng, profile=profile, sent=RUNNING_SENT)
+            for kind, plan in (
+                ("full", Plan(True, peers, interval)),
+                ("change", Plan(False, peers[:1], interval)),
+                ("heartbeat", Plan(False, [], interval)),
+            ):
+                msg = signed_telemetry(
+                    ag,
+                    time.time(),
+                    public_keys=[x.wg_key],
+                    addresses=[x.address],
+                    plan=plan,
+                    counters={},
+                )
+                sizes[kind] = max(sizes.get(kind, 0), len(msg))
+                t0 = time.process_time()
+                core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+                spent[kind] += time.process_time() - t0
+                count[kind] += 1
+                if kind == "full":
+                    t0 = time.process_time()
+                    info = view.nodes.get(x.name)
+                    if info is not None:
+                        info.peers  # noqa: B018 - build the rows, as the recompute does
+                    spent["rows"] += time.process_time() - t0
+    t0 = time.process_time()
+    view.matrices(time.monotonic())
+    matrices_ms = 1000 * (time.process_time() - t0)
+    per = {k: 1000 * spent[k] / max(count.get(k, count["full"]), 1) for k in spent}
+    per["rows"] = 1000 * spent["rows"] / max(count["full"], 1)
+    share = mesh.n * (per["full"] / interval + per["heartbeat"] / tcfg.full_interval_s) / 10
     return {
-        "ingest_ms_per_snapshot": round(per_ms, 3),
-        "ingest_cpu_pct_at_5s": round(100 * per_ms / 1000 * mesh.n / FULL_INTERVAL_S, 1),
-        "snapshot_bytes": max(sizes),
+        "ingest_ms_per_snapshot": round(per["full"], 3),
+        "ingest_ms_per_change": round(per["change"], 3),
+        "ingest_ms_per_heartbeat": round(per["heartbeat"], 3),
+        "rows_ms_per_snapshot": round(per["rows"], 3),
+        "matrices_ms": round(matrices_ms, 1),
+        "full_interval_s": round(interval, 1),
+        "ingest_cpu_pct": round(share, 2),
+        "snapshot_bytes": sizes["full"],
+        "change_bytes": sizes["change"],
+        "heartbeat_bytes": sizes["heartbeat"],
         "refused": core.dropped(),
     }

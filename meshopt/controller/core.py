@@ -253,10 +253,11 @@ class ControllerCore:
         self._check_pins(t)
         # A retained snapshot may be old: its age counts (fresh ones are timed by
         # arrival, which needs no clock agreement between hosts).
-        self.view.take(name, t, now, wall if retained else None)
+        changed = self.view.take(name, t, now, wall if retained else None)
         self.telemetry_seq.accept(name, t.seq)
         self.session[name] = max(t.session, self.session.get(name, 0))
-        self.mark_dirty(now)
+        if changed:  # a heartbeat only keeps the node fresh: nothing to recompute
+            self.mark_dirty(now)
 
     def on_status(self, name: str, payload: bytes, now: float, wall: float) -> None:
         st = verify_status(payload, self._ring(name), mesh=self.cfg.mesh, node=name)

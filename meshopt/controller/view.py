@@ -30,11 +30,21 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
 
-from meshopt.bus.messages import Counters, PeerReport, Telemetry
+from meshopt.bus.messages import (
+    COLUMNS,
+    DELAY_COLUMNS,
+    DELAY_UNIT_MS,
+    NONE_U32,
+    Counters,
+    PeerReport,
+    PeerTable,
+    Telemetry,
+)
 from meshopt.metric import FloatArray, LinkSample, Metric
 
 log = logging.getLogger("meshopt.controller")
@@ -140,6 +150,12 @@ class _Prefixes:
                 del entries[i]
 
 
+def _column(table: PeerTable, name: str) -> np.ndarray | None:
+    """A table column as a numpy view of its packed bytes (no copy), None when absent."""
+    raw: bytes = getattr(table, name)
+    return np.frombuffer(raw, dtype=COLUMNS[name]) if raw else None
+
+
 class TelemetryRefused(Exception):
     """Telemetry the view will not take; ``reason`` is a short counter key."""
 
@@ -148,17 +164,159 @@ class TelemetryRefused(Exception):
         self.reason = reason
 
 
+class _Rows(dict[str, PeerReport]):
+    """A node's peer rows; counts changes so the arrays built from them know when to rebuild
+    (a caller may change the dict it got from :attr:`NodeInfo.peers`)."""
+
+    version = 0
+
+    def __setitem__(self, key: str, value: PeerReport) -> None:
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self.version += 1
+
+    def update(self, *args: Any, **kwargs: PeerReport) -> None:
+        super().update(*args, **kwargs)
+        self.version += 1
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, PeerReport]:
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
+
+
+@dataclass
+class _PeerArrays:
+    """One node's peer rows as arrays (NaN: not measured), for a vectorised matrix row."""
+
+    keys: list[str]
+    alive: np.ndarray  # 1 alive, 0 dead, -1 unknown
+    rtt: FloatArray
+    jitter: FloatArray
+    loss: FloatArray
+    noise: FloatArray
+    samples: FloatArray
+    bandwidth: FloatArray
+    pmtu: FloatArray
+    source: tuple[int, int]  # (id, version) of the rows they were built from
+    dst: np.ndarray | None = None  # node index per peer (-1: none), for ``layout``
+    layout: int = -1
+
+    @classmethod
+    def of(cls, rows: _Rows) -> _PeerArrays:
+        reps = list(rows.values())
+
+        def col(name: str) -> FloatArray:
+            return np.array(
+                [np.nan if (v := getattr(p, name)) is None else v for p in reps], dtype=np.float64
+            )
+
+        return cls(
+            keys=list(rows),
+            alive=np.array([-1 if p.alive is None else int(p.alive) for p in reps], dtype=np.int8),
+            rtt=col("rtt_ms"),
+            jitter=col("jitter_ms"),
+            loss=col("loss"),
+            noise=col("noise_ms"),
+            samples=np.array([p.samples for p in reps], dtype=np.float64),
+            bandwidth=col("bandwidth_mbit"),
+            pmtu=col("pmtu"),
+            source=(id(rows), rows.version),
+        )
+
+
+# Deltas taken before a node's rows are next read are kept as layers; past this many the
+# rows are built at once (bounds memory when nothing reads them, e.g. before routing).
+_MAX_LAYERS = 64
+
+
 @dataclass
 class NodeInfo:
+    """One node as its telemetry describes it.
+
+    Its peer reports are kept as the tables they came in (taking a snapshot is O(1) in
+    Python) and turned into ``peers`` rows only when something reads them, once per
+    snapshot; change reports taken in between are applied on top, in order.
+    """
+
     name: str
     public_keys: list[str]
     addresses: list[str]
-    last_seen: float  # monotonic time of the last telemetry
+    last_seen: float  # monotonic time of the last telemetry (of any kind)
     online: bool = True
     seq: int = -1
     sent_at: float = -math.inf
-    peers: dict[str, PeerReport] = field(default_factory=dict)  # by peer public key
     offline_reason: str = ""
+    full_interval_s: float = 0.0  # announced by the agent; 0: not announced
+    last_full: float = -math.inf  # monotonic time of the last full snapshot
+    _rows: _Rows | None = field(default=None, repr=False)
+    _layers: list[PeerTable | dict[str, PeerReport]] = field(default_factory=list, repr=False)
+    _arrays: _PeerArrays | None = field(default=None, repr=False)
+
+    @property
+    def peers(self) -> dict[str, PeerReport]:
+        """The node's peer reports by peer public key (fields unusable for routing cleared)."""
+        if self._rows is None or self._layers:
+            rows = _Rows() if self._rows is None else self._rows
+            for layer in self._layers:
+                if isinstance(layer, dict):
+                    rows.update(layer)
+                else:
+                    for p in layer.rows():
+                        rows[p.public_key] = usable_peer(p)[0]
+            self._rows = rows
+            self._layers = []
+        return self._rows
+
+    @peers.setter
+    def peers(self, rows: dict[str, PeerReport]) -> None:
+        self._rows = rows if isinstance(rows, _Rows) else _Rows(rows)
+        self._layers = []
+
+    def arrays(self) -> _PeerArrays:
+        """The peer rows as arrays, built once per change of the rows."""
+        self.peers  # noqa: B018 - apply pending layers
+        rows = self._rows
+        assert rows is not None
+        a = self._arrays
+        if a is None or a.source != (id(rows), rows.version):
+            a = self._arrays = _PeerArrays.of(rows)
+        return a
+
+    def snapshot(self, rows: dict[str, PeerReport], table: PeerTable | None) -> None:
+        """Replace every peer report (a full snapshot): rows, then the table over them."""
+        self._rows = None
+        self._layers = [rows] if table is None else [rows, table]
+
+    def change(self, rows: dict[str, PeerReport], table: PeerTable | None) -> None:
+        """Apply a change report over what is there."""
+        if rows:
+            self._layers.append(rows)
+        if table is not None and len(table):
+            self._layers.append(table)
+        if len(self._layers) > _MAX_LAYERS:
+            self.peers  # noqa: B018 - build the rows now
+
+    def picture_stale(self, now: float, stale_after_s: float) -> bool:
+        """No full snapshot for three of the intervals the agent announced: deltas may
+        have been lost in between, so its peer reports can no longer be trusted."""
+        if self.full_interval_s <= 0.0:
+            return False
+        return now - self.last_full > max(stale_after_s, 3.0 * self.full_interval_s)
 
 
 @dataclass
@@ -192,12 +350,17 @@ class MeshView:
         # Cumulative: a caller counts what one ``take`` dropped as the difference.
         self.dropped = Counters("controller ignored telemetry values", log)
         self._prefixes = _Prefixes()
+        # Which node holds which key (a take checks its claims against it in O(keys),
+        # not by walking the mesh), and a count bumped whenever that may have changed.
+        self._key_owner: dict[str, str] = {}
+        self._layout = 0
 
     def node_of_key(self) -> dict[str, str]:
         return {k: n.name for n in self.nodes.values() for k in n.public_keys}
 
     def take(self, topic_node: str, t: Telemetry, now: float, wall: float | None = None) -> bool:
-        """Take one telemetry message; True if the graph may have changed.
+        """Take one telemetry message; True if the graph may have changed (False for a
+        heartbeat: nothing to recompute).
 
         With ``wall`` (the receiver's clock, like ``sent_at``), a message's age counts: a
         retained snapshot of an agent that died long ago is stale at once, not live for
@@ -207,8 +370,14 @@ class MeshView:
         e.g. ``key_conflict`` or ``address_conflict``; unusable fields and repeated
         addresses are left out and counted in :attr:`dropped` instead.
         """
+        arrived = now
+        seen = now
         if wall is not None:
-            now -= min(max(0.0, wall - t.sent_at), self.stale_after_s * 10)
+            # A retained snapshot is the agent's newest one while it is younger than the
+            # interval the agent announced; only the age beyond that counts against it.
+            age = min(max(0.0, wall - t.sent_at), max(self.stale_after_s, t.full_interval_s) * 10)
+            now -= age
+            seen = arrived - max(0.0, age - t.full_interval_s)
         if t.mesh != self.mesh:
             raise TelemetryRefused("wrong_mesh", f"{t.mesh!r}")
         if t.node != topic_node:
@@ -216,10 +385,10 @@ class MeshView:
         if self.allowed and t.node not in self.allowed:
             raise TelemetryRefused("unknown_node", t.node)
         keys = t.public_keys or [t.public_key]
-        owner = self.node_of_key()
         for k in keys:
-            if owner.get(k, t.node) != t.node:
-                raise TelemetryRefused("key_conflict", f"{t.node} claims a key of {owner[k]}")
+            o = self._key_owner.get(k)
+            if o is not None and o != t.node:
+                raise TelemetryRefused("key_conflict", f"{t.node} claims a key of {o}")
         info = self.nodes.get(t.node)
         if info is not None and t.sent_at <= info.sent_at:
             # An old message delivered late, or replayed: newer data is already in.
@@ -234,23 +403,73 @@ class MeshView:
             for name in dropped:
                 self.dropped.count(f"{name}_unusable", f"{t.node}: {name}={getattr(p, name)!r}")
             peers[p.public_key] = usable
+        if t.table is not None:
+            self._count_unusable(t.node, t.table)
         self._prefixes.set(t.node, nets)
         if self.first_seen is None:
-            self.first_seen = now
+            self.first_seen = seen
+        # A heartbeat (an empty change report from a node that is online and claims what
+        # it claimed) changes nothing a route depends on.
+        changed = (
+            t.full
+            or bool(peers)
+            or (t.table is not None and len(t.table) > 0)
+            or info is None
+            or not info.online
+            or info.public_keys != list(keys)
+            or info.addresses != addresses
+        )
         if info is None:
-            info = NodeInfo(t.node, list(keys), addresses, now)
+            # A change report first: the agent's next full snapshot is due within its interval.
+            info = NodeInfo(t.node, list(keys), addresses, seen, last_full=now)
             self.nodes[t.node] = info
-        info.public_keys = list(keys)
+            self._set_keys(info, list(keys))
+        elif info.public_keys != list(keys):
+            self._set_keys(info, list(keys))
         info.addresses = addresses
-        info.last_seen = now
-        info.online = True
+        info.last_seen = seen
         info.seq = t.seq
         info.sent_at = t.sent_at
+        if t.full_interval_s > 0.0 or t.full:
+            info.full_interval_s = t.full_interval_s
         if t.full:
-            info.peers = peers
+            info.snapshot(peers, t.table)
+            info.last_full = now
         else:
-            info.peers.update(peers)
-        return True
+            info.change(peers, t.table)
+        online = not info.picture_stale(arrived, self.stale_after_s)
+        changed = changed or online != info.online
+        info.online = online
+        if not online:
+            info.offline_reason = "no full snapshot"
+        return changed
+
+    def _count_unusable(self, node: str, table: PeerTable) -> None:
+        """Count the table's values routing cannot use (one numpy test per column); the
+        rows drop them when built (:func:`usable_peer`)."""
+        over = int(MAX_DELAY_MS / DELAY_UNIT_MS)
+        for col, name in DELAY_COLUMNS.items():
+            c = _column(table, col)
+            if c is not None:
+                n = int(np.count_nonzero((c > over) & (c != NONE_U32)))
+                if n:
+                    self.dropped.count(f"{name}_unusable", f"{node}: {n} peers", n)
+        checks: list[tuple[str, str, float, float]] = [
+            ("bandwidth", "bandwidth_mbit", 0.0, MAX_BANDWIDTH_MBIT),
+            ("rx_bps", "rx_bps", 0.0, MAX_RATE_BPS),
+            ("tx_bps", "tx_bps", 0.0, MAX_RATE_BPS),
+        ]
+        for col, name, lo, hi in checks:
+            c = _column(table, col)
+            if c is not None:
+                n = int(np.count_nonzero((c < lo) | (c > hi)))
+                if n:
+                    self.dropped.count(f"{name}_unusable", f"{node}: {n} peers", n)
+        pm = _column(table, "pmtu")
+        if pm is not None:
+            n = int(np.count_nonzero((pm != 0) & (pm < MIN_PMTU)))
+            if n:
+                self.dropped.count("pmtu_unusable", f"{node}: {n} peers", n)
 
     def _claim(
         self, node: str, claimed: Sequence[str]
@@ -280,10 +499,22 @@ class MeshView:
             nets.append(net)
         return addresses, nets, duplicates
 
+    def _set_keys(self, info: NodeInfo, keys: list[str]) -> None:
+        """``info`` holds exactly ``keys`` now (checked for conflicts beforehand)."""
+        for k in info.public_keys:
+            if self._key_owner.get(k) == info.name:
+                del self._key_owner[k]
+        for k in keys:
+            self._key_owner[k] = info.name
+        info.public_keys = keys
+        self._layout += 1
+
     def remove(self, node: str) -> bool:
         """Forget ``node`` (decommissioned): its keys and addresses are free to claim again."""
-        if self.nodes.pop(node, None) is None:
+        info = self.nodes.pop(node, None)
+        if info is None:
             return False
+        self._set_keys(info, [])
         self._prefixes.remove(node)
         return True
 
@@ -316,12 +547,23 @@ class MeshView:
         return True
 
     def expire(self, now: float) -> list[str]:
-        """Nodes whose telemetry went stale now; they are marked offline."""
+        """Nodes whose telemetry went stale now; they are marked offline.
+
+        Stale: nothing heard for ``stale_after_s`` (agents send at least an empty change
+        report every ``full_interval_s``), or no full snapshot for three of the intervals
+        the agent announces (:meth:`NodeInfo.picture_stale`).
+        """
         out = []
         for info in self.nodes.values():
-            if info.online and now - info.last_seen > self.stale_after_s:
+            if not info.online:
+                continue
+            if now - info.last_seen > self.stale_after_s:
                 info.online = False
                 info.offline_reason = "telemetry stale"
+                out.append(info.name)
+            elif info.picture_stale(now, self.stale_after_s):
+                info.online = False
+                info.offline_reason = "no full snapshot"
                 out.append(info.name)
         return out
 
@@ -329,6 +571,8 @@ class MeshView:
         return sorted(self.nodes)
 
     def matrices(self, now: float) -> Matrices:
+        """The routing matrices; one vectorised row per online node (see :func:`link_cost`
+        for what a single link costs: this computes the same for all of a node's peers)."""
         names = self.names()
         index = {n: i for i, n in enumerate(names)}
         n = len(names)
@@ -338,28 +582,58 @@ class MeshView:
         rtt = np.full((n, n), np.nan)
         pmtu = np.zeros((n, n))
         up = np.array([self.nodes[x].online for x in names], dtype=bool)
-        owner = self.node_of_key()
+        key_index: dict[str, int] | None = None
+        m = self.metric
         for s_name, info in self.nodes.items():
-            s = index[s_name]
             if not info.online:
                 continue
+            s = index[s_name]
+            a = info.arrays()
+            if not a.keys:
+                continue
+            if a.dst is None or a.layout != self._layout:
+                if key_index is None:
+                    key_index = {
+                        k: index[x.name] for x in self.nodes.values() for k in x.public_keys
+                    }
+                a.dst = np.array([key_index.get(k, -1) for k in a.keys], dtype=np.intp)
+                a.layout = self._layout
+            dst = a.dst
+            ok = (dst >= 0) & (dst != s)
+            ok[ok] = up[dst[ok]]
+            if not ok.any():
+                continue
+            d = dst[ok]
+            r = a.rtt[ok]
+            jit = np.nan_to_num(a.jitter[ok], nan=0.0)
+            p = np.minimum(np.nan_to_num(a.loss[ok], nan=0.0), 1.0)
+            nz = np.nan_to_num(a.noise[ok], nan=0.0)
             age = max(0.0, now - info.last_seen)
-            for key, rep in info.peers.items():
-                d_name = owner.get(key)
-                if d_name is None or d_name == s_name:
-                    continue
-                d = index[d_name]
-                if not up[d]:
-                    continue
-                c, sd = link_cost(rep, self.metric, age)
-                cost[s, d] = c
-                noise[s, d] = sd
-                if rep.bandwidth_mbit is not None and math.isfinite(c):
-                    bw[s, d] = rep.bandwidth_mbit
-                if rep.rtt_ms is not None and math.isfinite(c):
-                    rtt[s, d] = rep.rtt_ms
-                if rep.pmtu is not None:
-                    pmtu[s, d] = rep.pmtu
+            c = m.link_costs(r, jit, p, np.full(len(r), age))
+            # As link_cost: the loss estimate's noise (a window of n probes) through the
+            # loss penalty, and a quarter of the jitter term.
+            q = np.maximum(1.0 - p, 1e-3)
+            samples = np.maximum(a.samples[ok], 1.0) / q
+            loss_sd = np.sqrt(p * (1.0 - p) / samples)
+            slope = m.loss_penalty_ms / q**2
+            sd = np.sqrt(nz**2 + (slope * loss_sd) ** 2 + (0.25 * m.jitter_weight * jit) ** 2)
+            unknown = np.isnan(r)
+            c = np.where(unknown, m.unknown_cost_ms, c)
+            sd = np.where(unknown, 0.0, sd)
+            dead = a.alive[ok] == 0
+            c = np.where(dead, np.inf, c)
+            sd = np.where(dead, 0.0, sd)
+            cost[s, d] = c
+            noise[s, d] = sd
+            finite = np.isfinite(c)
+            b = a.bandwidth[ok]
+            has_bw = finite & ~np.isnan(b)
+            bw[s, d[has_bw]] = b[has_bw]
+            has_rtt = finite & ~unknown
+            rtt[s, d[has_rtt]] = r[has_rtt]
+            pm = a.pmtu[ok]
+            has_pm = ~np.isnan(pm)
+            pmtu[s, d[has_pm]] = pm[has_pm]
         np.fill_diagonal(cost, 0.0)
         return Matrices(names, cost, noise, bw, up, rtt, pmtu)
 
@@ -384,7 +658,7 @@ def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, flo
     loss_sd = math.sqrt(p * (1.0 - p) / n)
     slope = metric.loss_penalty_ms / max(1.0 - p, 1e-3) ** 2
     # The jitter term is an estimate too, and a skittish one: a few delayed probes (a
-    # busy host, a burst of cross traffic) move RFC 3550 jitter by tens of percent within
+    # busy host, a burst of cross traffic) move the jitter (sigma) by tens of percent within
     # seconds. A quarter of the term as its noise keeps such swings from looking like
     # gains without hiding real ones (a half blocked 8 ms relay gains on a busy host).
     jitter_sd = 0.25 * metric.jitter_weight * sample.jitter_ms

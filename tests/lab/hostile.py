@@ -18,9 +18,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from meshopt.bus.messages import MAX_PAYLOAD_BYTES, Signed, SignedKind, encode
+from meshopt.bus.messages import (
+    MAX_PAYLOAD_BYTES,
+    Signed,
+    SignedKind,
+    decode_telemetry,
+    encode,
+    is_msgpack,
+)
 from meshopt.bus.signing import CONTEXT, key_id
 from meshopt.bus.topics import Topics
 
@@ -56,8 +64,15 @@ def sign_raw(kind: SignedKind, payload: bytes, key: Ed25519PrivateKey) -> bytes:
 
 
 def _inner(data: bytes) -> dict[str, Any]:
+    """The message inside an honest envelope, as a document to mutate (telemetry's
+    MessagePack table expanded into rows; the mutants go out as JSON, which the
+    decoder also reads)."""
     doc = json.loads(data)
-    inner: dict[str, Any] = json.loads(base64.b64decode(doc["payload"]))
+    raw = base64.b64decode(doc["payload"])
+    if is_msgpack(raw):
+        inner: dict[str, Any] = msgspec.to_builtins(decode_telemetry(raw))
+        return inner
+    inner = json.loads(raw)
     return inner
 
 

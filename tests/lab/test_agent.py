@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from meshopt.bus.messages import Route, RouteSet, decode_route_set
+from meshopt.bus.messages import Route, RouteSet, decode_route_set, decode_telemetry
 from meshopt.bus.signing import (
     generate_signing_key,
     load_private_key,
@@ -79,7 +80,8 @@ def telemetry(lab: Lab, node: str) -> dict[str, Any]:
     for _ in range(3):
         msgs = bus_read(lab, f"meshopt/{lab.plan.name}/telemetry/{node}")
         if msgs and msgs[0]:
-            out: dict[str, Any] = json.loads(unsigned_payload(msgs[0], "telemetry"))
+            t = decode_telemetry(unsigned_payload(msgs[0], "telemetry"))
+            out: dict[str, Any] = msgspec.to_builtins(t)
             return out
     raise AssertionError(f"no telemetry from {node}")
 

@@ -13,9 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from meshopt.bus.messages import decode_lease, decode_route_set
+from meshopt.bus.messages import decode_lease, decode_route_set, decode_telemetry
 from meshopt.bus.signing import load_private_key, unsigned_payload
 from meshopt.lab.agents import controller_log, identity_key
 from meshopt.lab.lab import Lab
@@ -109,8 +110,10 @@ def test_bad_telemetry_is_refused_and_the_loop_keeps_running(
     name = lab.plan.name
     holder = active(lab)
     n3_key = load_private_key(identity_key(lab, "n3")[0])
-    good = json.loads(
-        unsigned_payload(bus_read(lab, f"meshopt/{name}/telemetry/n3")[0], "telemetry")
+    good = msgspec.to_builtins(
+        decode_telemetry(
+            unsigned_payload(bus_read(lab, f"meshopt/{name}/telemetry/n3")[0], "telemetry")
+        )
     )
     seq = good["seq"] + 10**6  # newer than anything n3 sent: only the content is wrong
 

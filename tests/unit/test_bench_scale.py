@@ -15,6 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -70,8 +71,10 @@ def test_synthetic_telemetry_verifies_under_the_enrolled_key() -> None:
     t = verify_telemetry(msg, ring, mesh=MESH, node="n0002")
     assert isinstance(t, Telemetry) and t.full and t.public_keys == [mesh.nodes[2].wg_key]
     # Every other node is a peer, by its WireGuard key, with the mesh's RTT (+-10 %).
-    assert [p.public_key for p in t.peers] == [x.wg_key for x in mesh.nodes if x.index != 2]
-    for p in t.peers:
+    assert t.table is not None and t.peers == []  # the compact form, as the agent sends
+    rows = t.reports()
+    assert [p.public_key for p in rows] == [x.wg_key for x in mesh.nodes if x.index != 2]
+    for p in rows:
         j = next(x.index for x in mesh.nodes if x.wg_key == p.public_key)
         assert p.rtt_ms is not None and p.samples == 64 and p.alive is True
         assert abs(p.rtt_ms - mesh.rtt_ms[2, j]) <= 0.1 * mesh.rtt_ms[2, j] + mesh.jitter_ms[2, j]
@@ -151,6 +154,7 @@ def test_tiny_mesh_end_to_end_through_real_broker_and_controller() -> None:
     assert res["route_set_bytes_median"] > 0 and res["routes_per_set_median"] >= 4
     steady = res["steady"]
     assert steady["agent_up_bytes_per_s"] > 0 and steady["controller_rss_mb"] > 0
+    assert res["telemetry_heartbeat_bytes"] < res["telemetry_snapshot_bytes"]
     deg = res["degrade"]
     assert deg["nodes_updated"] >= 1 and deg["latency_median_s"] is not None
     assert 0 < deg["latency_first_s"] <= deg["latency_median_s"] <= deg["latency_max_s"]
@@ -169,4 +173,31 @@ def test_controller_core_ingests_synthetic_snapshots() -> None:
     """The controller's own code takes every synthetic snapshot (nothing refused)."""
     res = ingest_cost(SyntheticMesh(8, seed=1), "agent", rounds=2)
     assert res["refused"] == {} and res["ingest_ms_per_snapshot"] > 0
-    assert res["snapshot_bytes"] > 8 * 100
+    assert res["snapshot_bytes"] > 8 * 40
+    assert res["heartbeat_bytes"] < res["change_bytes"] < res["snapshot_bytes"]
+    assert res["full_interval_s"] == 5.0  # 7 peers: the base interval
+
+
+def test_synthetic_agent_sends_what_the_agents_cadence_plans() -> None:
+    """Full snapshot first, then (values moving only by noise) heartbeats; an injected
+    change sends a change report of the changed peer alone."""
+    from meshopt.bench.synthetic import SyntheticAgent
+    from meshopt.bus.client import BrokerSettings
+
+    mesh = SyntheticMesh(40, seed=1)  # 39 peers: snapshots every 6.5 s
+    from meshopt.bus.signing import generate_signing_key
+
+    ctl = public_key_b64(generate_signing_key()[0])
+    ag = SyntheticAgent(mesh, 0, BrokerSettings(), ctl, rng=random.Random(1))
+    first = ag.plan()
+    assert first is not None and first.full and len(first.peers) == 39
+    assert first.interval_s == pytest.approx(6.5)
+    ag.cadence.sent(first, 0.0)
+    # The plan reads the clock: put the last snapshot an hour ahead (not due, however
+    # slow this run) and the last message long ago (the heartbeat is due).
+    ag.cadence.last_full, ag.cadence.last_sent = time.monotonic() + 3600.0, -1e9
+    beat = ag.plan()
+    assert beat is not None and not beat.full and beat.peers == []
+    ag.factor[3] = 10.0
+    change = ag.plan()
+    assert change is not None and [p.public_key for p in change.peers] == [mesh.nodes[3].wg_key]
