@@ -12,8 +12,12 @@ configuration"). Layout of the directory::
     meshopt-broker.json              what was asked for: mesh, hosts, identities
 
 Identities: every node (user name = node name), controllers (their id), readers
-(tools such as ``meshopt routes``) and admins (read and write all of the mesh's topics:
-for an operator clearing a removed node's retained messages; keep them off the nodes).
+(tools such as ``meshopt routes``), admins (read and write all of the mesh's topics:
+for an operator clearing a removed node's retained messages; keep them off the nodes) and
+bridges (another region's broker logged in here: it may write exactly the telemetry and
+status of its region's nodes, read their route sets, the lease and the controllers'
+status, and write its own link state; see
+meshopt/broker/bridge.py, which also writes the bridge section into that broker's conf).
 Each needs both its certificate (the TLS listener has ``require_certificate true``) and
 its password (``use_identity_as_username false``: the user name, which the ACL keys on,
 comes from the password check, not from the certificate, so a certificate alone gets
@@ -51,8 +55,8 @@ from meshopt.broker import pki
 from meshopt.bus.messages import MAX_PAYLOAD_BYTES
 from meshopt.errors import InputError
 
-Role = Literal["node", "controller", "reader", "admin"]
-ROLES: Final[tuple[Role, ...]] = ("node", "controller", "reader", "admin")
+Role = Literal["node", "controller", "reader", "admin", "bridge"]
+ROLES: Final[tuple[Role, ...]] = ("node", "controller", "reader", "admin", "bridge")
 NAME_RE: Final = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 PBKDF2_ITERATIONS: Final = 101
 SALT_BYTES: Final = 12
@@ -72,6 +76,7 @@ RENEW_BEFORE: Final = dt.timedelta(days=30)  # re-runs replace certificates this
 class Identity:
     name: str
     role: Role
+    nodes: tuple[str, ...] = ()  # a bridge's: the nodes whose topics it forwards
 
 
 def check_identity_name(name: str, what: str) -> str:
@@ -85,8 +90,13 @@ def make_identities(
     controllers: Sequence[str],
     readers: Sequence[str] = (),
     admins: Sequence[str] = (),
+    bridges: Mapping[str, Sequence[str]] | None = None,
 ) -> list[Identity]:
-    """Checked identities, nodes first; InputError for a bad or twice-used name."""
+    """Checked identities, nodes first; InputError for a bad or twice-used name.
+
+    ``bridges`` maps a bridge's name to the nodes of its region (the brokers it links
+    forward exactly those nodes' topics, and its ACL allows exactly those).
+    """
     out: list[Identity] = []
     seen: dict[str, Role] = {}
     groups: tuple[tuple[Role, Sequence[str]], ...] = (
@@ -94,6 +104,7 @@ def make_identities(
         ("controller", controllers),
         ("reader", readers),
         ("admin", admins),
+        ("bridge", list(bridges or {})),
     )
     for role, names in groups:
         for name in names:
@@ -103,8 +114,18 @@ def make_identities(
                 twice = "twice" if first == role else f"as a {first} and as a {role}"
                 raise InputError(f"identity {name!r} given {twice}: every identity needs its own")
             seen[name] = role
-            out.append(Identity(name, role))
+            out.append(Identity(name, role, _bridge_nodes(name, (bridges or {}).get(name))))
     return out
+
+
+def _bridge_nodes(name: str, nodes: Sequence[str] | None) -> tuple[str, ...]:
+    if nodes is None:
+        return ()
+    if isinstance(nodes, str) or not nodes:
+        raise InputError(f"bridge {name!r}: give the nodes of its region (at least one)")
+    for node in nodes:
+        check_identity_name(node, f"node name (bridge {name!r})")
+    return tuple(dict.fromkeys(nodes))
 
 
 # --- password file -----------------------------------------------------------------------
@@ -195,6 +216,18 @@ def acl_text(mesh: str, identities: Sequence[Identity]) -> str:
             ]
         elif ident.role == "reader":
             lines.append(f"topic read {p}/#")
+        elif ident.role == "bridge":  # exactly what the bridge section forwards
+            for node in ident.nodes:
+                lines += [
+                    f"topic write {p}/telemetry/{node}",
+                    f"topic write {p}/status/{node}",
+                    f"topic read {p}/routes/{node}",
+                ]
+            lines += [
+                f"topic read {p}/controller/lease",  # for the region's tools (and standbys)
+                f"topic read {p}/controller/status/+",
+                f"topic write {p}/bridge/{name}",  # its link state (and will)
+            ]
         else:  # admin: clears a removed node's retained messages, for instance
             lines.append(f"topic readwrite {p}/#")
         lines.append("")
@@ -273,6 +306,25 @@ def conf_text(
     return "\n".join(lines) + "\n"
 
 
+BRIDGE_BEGIN: Final = "# >>> meshopt bridge "
+BRIDGE_END: Final = "# <<< meshopt bridge "
+
+
+def bridge_sections(conf: str) -> str:
+    """The bridge sections of a mosquitto.conf (between meshopt's markers), so that a
+    re-run of ``broker init`` keeps what meshopt.broker.bridge added to it."""
+    out: list[str] = []
+    inside = False
+    for line in conf.splitlines(keepends=True):
+        if line.startswith(BRIDGE_BEGIN):
+            inside = True
+        if inside:
+            out.append(line)
+        if line.startswith(BRIDGE_END):
+            inside = False
+    return "".join(out)
+
+
 # --- the directory -------------------------------------------------------------------------
 
 
@@ -335,20 +387,25 @@ def _merge(out: Path, req: BrokerRequest) -> list[Identity]:
         return list(req.identities)
     if old.get("mesh") != req.mesh:
         raise InputError(f"{out} is for mesh {old.get('mesh')!r}, not {req.mesh!r}")
-    merged: dict[str, Role] = {}
+    merged: dict[str, Identity] = {}
     earlier = old.get("identities")
+    bridges = old.get("bridges")
+    bridges = bridges if isinstance(bridges, dict) else {}
     for name, role in (earlier if isinstance(earlier, dict) else {}).items():
         for r in ROLES:
             if role == r and NAME_RE.fullmatch(str(name)):
-                merged[str(name)] = r
+                nodes = bridges.get(name) if r == "bridge" else None
+                listed = nodes if isinstance(nodes, list) else []
+                kept = tuple(str(x) for x in listed if NAME_RE.fullmatch(str(x)))
+                merged[str(name)] = Identity(str(name), r, kept)
     for ident in req.identities:
         was = merged.get(ident.name)
-        if was is not None and was != ident.role:
+        if was is not None and was.role != ident.role:
             raise InputError(
-                f"identity {ident.name!r} is a {was} in {out} already, not a {ident.role}"
+                f"identity {ident.name!r} is a {was.role} in {out} already, not a {ident.role}"
             )
-        merged[ident.name] = ident.role
-    return [Identity(n, r) for n, r in merged.items()]
+        merged[ident.name] = ident
+    return list(merged.values())
 
 
 def _load_ca(out: Path) -> tuple[pki.Key, x509.Certificate] | None:
@@ -397,6 +454,7 @@ def _client_toml(req: BrokerRequest, ident: Identity, url: str, written: Path) -
         "controller": "paste it into the controller's controller.toml",
         "reader": "or give `meshopt routes` --ca-file/--cert-file/... (MESHOPT_BROKER_*)",
         "admin": "use its files with mosquitto_pub/mosquitto_sub",
+        "bridge": "meshopt.broker.bridge puts its files into the other broker's conf",
     }[ident.role]
     return (
         f"# [broker] table for {ident.role} {ident.name!r} of mesh {req.mesh!r}:\n"
@@ -489,12 +547,20 @@ def write_broker_dir(req: BrokerRequest, out: Path, *, force: bool = False) -> B
         run_as=req.run_as,
         log_dest=req.log_dest,
     )
-    (bdir / "mosquitto.conf").write_text(conf)
-    manifest = {
+    conf_path = bdir / "mosquitto.conf"
+    bridged = bridge_sections(conf_path.read_text()) if conf_path.exists() else ""
+    if bridged:  # written by meshopt.broker.bridge; they hold a password: keep them, 0600
+        pki.write_private(conf_path, (conf + bridged).encode())
+    else:
+        conf_path.write_text(conf)
+    manifest: dict[str, object] = {
         "mesh": req.mesh,
         "hosts": list(req.hosts),
         "port": req.port,
         "identities": {i.name: i.role for i in identities},
     }
+    bridges = {i.name: list(i.nodes) for i in identities if i.role == "bridge"}
+    if bridges:
+        manifest["bridges"] = bridges
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return files

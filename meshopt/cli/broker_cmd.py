@@ -87,6 +87,22 @@ def broker_group() -> None:
     show_default=True,
     help="Where clients/<identity>/ is copied on each host (its broker.toml names it).",
 )
+@click.option(
+    "--bridge",
+    "bridges",
+    multiple=True,
+    metavar="NAME=NODE,...",
+    help="An identity for another region's broker bridged to this one, allowed exactly "
+    "the topics of those nodes (repeatable; docs/cluster.md).",
+)
+@click.option(
+    "--bridge-to",
+    "bridge_to",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="Bridge this broker to the central one whose `broker init` DIR has bridge NAME "
+    "(repeatable; docs/cluster.md).",
+)
 @click.option("--out", required=True, metavar="DIR", help="Directory to write.")
 @click.option(
     "--force",
@@ -105,6 +121,8 @@ def init_cmd(
     port: int,
     install_dir: str,
     client_dir: str,
+    bridges: tuple[str, ...],
+    bridge_to: tuple[str, ...],
     out: str,
     force: bool,
     as_json: bool,
@@ -122,19 +140,26 @@ def init_cmd(
         from meshopt.topology import load_topology
 
         names += [n for n in load_topology(topology).names if n not in names]
-    if not (names or controllers or readers or admins):
+    from meshopt.broker.bridge import parse_bridge_option, write_bridge
+
+    pairs = [parse_bridge_option(b, "--bridge", "NAME=NODE,...") for b in bridges]
+    bridged = {name: nodes.split(",") for name, nodes in pairs}
+    links = [parse_bridge_option(b, "--bridge-to", "NAME=DIR") for b in bridge_to]
+    if not (names or controllers or readers or admins or bridged):
         raise InputError("no identities: give --node NAME (or --topology), --controller, --reader")
     for h in hosts:
         _check_host(h)
     req = BrokerRequest(
         mesh=mesh,
-        identities=tuple(make_identities(names, controllers, readers, admins)),
+        identities=tuple(make_identities(names, controllers, readers, admins, bridged)),
         hosts=hosts,
         port=port,
         install_dir=install_dir,
         client_dir=client_dir,
     )
     files = write_broker_dir(req, Path(out), force=force)
+    for name, central in links:
+        write_bridge(Path(out), Path(central), name, install_dir=install_dir)
     if as_json:
         print_json(
             {

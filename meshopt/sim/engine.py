@@ -48,7 +48,7 @@ from meshopt.routing.backup import add_backups
 from meshopt.routing.tables import IntArray, reduce_paths
 from meshopt.sim.estimator import BoolArray, LinkEstimator
 from meshopt.sim.events import Event, check_events
-from meshopt.sim.report import EventResult, GainSummary, SimReport, summarize_gains
+from meshopt.sim.report import EventResult, GainSummary, SimPerf, SimReport, summarize_gains
 from meshopt.topology.model import Topology
 
 
@@ -174,8 +174,38 @@ def _direct(topo: Topology) -> Installed:
     return Installed(next_hop=nh, since=np.full((n, n), -np.inf))
 
 
+class _Backups:
+    """The controller's backup next hops, computed on first use after each recompute.
+
+    ``add_backups`` is the O(n^3) part of a recompute (3.3 s of 4.2 at 1,000 nodes)
+    and fail-over only reads it in rounds where an installed next hop is dead (none in
+    a steady mesh without loss). Computing it then from the recompute's own tables and
+    costs gives the same backups the controller shipped, so the results do not change
+    (tests/unit/test_sim_scale.py). With lossy links, false "dead" verdicts still need
+    it in most intervals of a large mesh; per-row backups would be the next step.
+    """
+
+    def __init__(self, best: RouteTables, cost: FloatArray, relay: float, enabled: bool) -> None:
+        self.best = best
+        self._cost: FloatArray | None = cost if enabled else None
+        self._relay = relay
+        self.computed = False
+        self.took_s = 0.0
+
+    def tables(self) -> RouteTables | None:
+        """The tables with backups, or None when backups are off."""
+        if self._cost is None:
+            return None
+        if not self.computed:
+            t0 = time.perf_counter()
+            self.best = add_backups(self.best, self._cost, relay_hop_ms=self._relay)
+            self.computed = True
+            self.took_s = time.perf_counter() - t0
+        return self.best
+
+
 def _effective(
-    inst: Installed, best: RouteTables | None, dead: BoolArray
+    inst: Installed, backups: _Backups | None, dead: BoolArray
 ) -> tuple[IntArray, BoolArray]:
     """Installed next hops, with local fail-over to the backup where the next hop is dead.
 
@@ -187,10 +217,17 @@ def _effective(
     """
     nh = inst.next_hop
     n = nh.shape[0]
-    if best is None or best.backup is None:
-        return nh, np.zeros((n, n), dtype=bool)
+    none = np.zeros((n, n), dtype=bool)
+    if backups is None:
+        return nh, none
     rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
     broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
+    np.fill_diagonal(broken, False)  # a node's own entry (it is never probed) has no backup
+    if not broken.any():
+        return nh, none  # nothing to fail over: the backups are not needed this round
+    best = backups.tables()
+    if best is None or best.backup is None:
+        return nh, none
     backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
     alive = (backup != NO_ROUTE) & ~dead[rows, np.where(backup == NO_ROUTE, rows, backup)]
     swap: BoolArray = broken & alive & (backup != nh)
@@ -279,13 +316,20 @@ def simulate(
         cfg.probe_interval_s, cfg.rtt_half_life_s, cfg.loss_half_life_s, cfg.dead_after
     )
     est.reset(n)
+    clock = time.perf_counter
+    phase = dict.fromkeys(
+        ("truth", "routes", "backups", "policy", "failover", "score", "probes"), 0.0
+    )
+    recomputes = backup_computations = 0
+    t0 = clock()
     truth = _truth(live, node_up, metric, cfg.symmetric, est)
+    phase["truth"] += clock() - t0
     pending = sorted(events, key=lambda e: e.at_s)
     steps = max(1, round(cfg.duration_s / cfg.probe_interval_s))
     every = max(1, round(cfg.recompute_interval(n) / cfg.probe_interval_s))
     off = ~np.eye(n, dtype=bool)
     installed = _direct(topo)
-    best: RouteTables | None = None
+    backups: _Backups | None = None
     was_swapped = np.zeros((n, n), dtype=bool)
     changes = np.zeros((n, n), dtype=np.int64)
     failovers = 0
@@ -300,17 +344,26 @@ def simulate(
             if gains is None:
                 gains = _gains(truth, installed)
             _apply(ev, live, node_up)
+            t0 = clock()
             truth = _truth(live, node_up, metric, cfg.symmetric, est)
+            phase["truth"] += clock() - t0
             tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s), leftover=tracker.bad)
             results.append(tracker.result)
 
         if step > 0 and step % every == 0:  # the controller; at step 0 nothing is measured yet
+            if backups is not None and backups.computed:  # the last interval's, if it was needed
+                backup_computations += 1
+                phase["backups"] += backups.took_s
+                phase["failover"] -= backups.took_s  # it ran inside the fail-over check
+            recomputes += 1
+            t0 = clock()
             cost = metric.link_costs(est.srtt, est.jitter, est.loss)
             cost = np.where((est.dead() | ~topo.tunnels) & off, np.inf, cost)
             np.fill_diagonal(cost, 0.0)
             best = compute_routes(cost, topo.names, relay_hop_ms=relay, symmetric=cfg.symmetric)
-            if cfg.backups:
-                best = add_backups(best, cost, relay_hop_ms=relay)
+            backups = _Backups(best, cost, relay, cfg.backups)
+            t1 = clock()
+            phase["routes"] += t1 - t0
             dec = decide(
                 installed, best, cost, _cost_noise(est, metric), now, cfg.policy,
                 relay_hop_ms=relay, symmetric=cfg.symmetric,
@@ -318,20 +371,31 @@ def simulate(
             changes += dec.changed
             tracker.result.route_changes += int(dec.changed.sum())
             installed = dec.installed
+            phase["policy"] += clock() - t1
 
-        eff, swapped = _effective(installed, best, est.dead())
+        t0 = clock()
+        eff, swapped = _effective(installed, backups, est.dead())
         failovers += int((swapped & ~was_swapped).sum())
         was_swapped = swapped
+        t1 = clock()
         tracker.score(truth, eff, now, cfg.policy)
+        t2 = clock()
 
         # jitter is the standard deviation of the delay (as in topology files and the
         # lab's shaper): normal noise around the configured RTT, never below zero.
         noise = rng.standard_normal((n, n)) * truth.sigma
         lost = (rng.random((n, n)) < truth.loss) | ~truth.usable
         est.update(np.maximum(truth.rtt + noise, 0.0), lost)
+        phase["failover"] += t1 - t0
+        phase["score"] += t2 - t1
+        phase["probes"] += clock() - t2
         if progress is not None:
             progress(step / steps)
 
+    if backups is not None and backups.computed:
+        backup_computations += 1
+        phase["backups"] += backups.took_s
+        phase["failover"] -= backups.took_s  # it ran inside the fail-over check
     if gains is None:
         gains = _gains(truth, installed)
     if progress is not None:
@@ -342,6 +406,14 @@ def simulate(
     flappers = sorted(
         zip(pair_changes[ii, jj].tolist(), ii.tolist(), jj.tolist(), strict=True), reverse=True
     )[:10]
+    runtime = time.perf_counter() - started
+    perf = SimPerf(
+        rounds=steps,
+        recomputes=recomputes,
+        backup_computations=backup_computations,
+        wall_per_simulated_s=runtime / cfg.duration_s,
+        phase_s=phase,
+    )
     return SimReport(
         topology=topo.name,
         nodes=n,
@@ -355,9 +427,10 @@ def simulate(
         changes_per_route_hour=float(changes.sum()) / max(routes, 1) / (cfg.duration_s / 3600),
         max_changes_pair=[(topo.names[i], topo.names[j], c) for c, i, j in flappers],
         failovers=failovers,
-        runtime_s=time.perf_counter() - started,
+        runtime_s=runtime,
         initial_converge_s=start.converged_at,
         initial_suboptimal_pairs=start.result.suboptimal_pairs,
+        perf=perf,
     )
 
 

@@ -56,6 +56,24 @@ class EventResult:
 
 
 @dataclass
+class SimPerf:
+    """What the run cost, for capacity planning (wall times vary from run to run).
+
+    ``phase_s`` splits the wall time: "truth" (the ground truth's optimum at the start
+    and after each event), "routes" (the controller's all-pairs routes), "backups"
+    (computed only in rounds where an installed next hop is dead), "policy", "failover",
+    "score" (routes in use against the truth) and "probes" (drawing probes and the
+    agents' estimators).
+    """
+
+    rounds: int = 0  # probe rounds simulated
+    recomputes: int = 0  # controller decisions
+    backup_computations: int = 0  # recomputes whose backups fail-over needed
+    wall_per_simulated_s: float = 0.0
+    phase_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class SimReport:
     topology: str
     nodes: int
@@ -72,6 +90,7 @@ class SimReport:
     runtime_s: float
     initial_converge_s: float | None = None
     initial_suboptimal_pairs: int = 0  # routes outside the margin when the start interval ended
+    perf: SimPerf = field(default_factory=SimPerf)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

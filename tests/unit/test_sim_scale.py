@@ -1,0 +1,74 @@
+"""The simulator's cost at scale: backups computed only when fail-over needs them, and
+the figures ``--json`` reports for capacity planning (scripts/bench_sim_scale.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from meshopt.graph import topology_costs
+from meshopt.routing import compute_routes
+from meshopt.sim import engine
+from meshopt.sim.engine import SimConfig, simulate
+from meshopt.sim.events import parse_event
+from meshopt.sim.report import SimReport
+from meshopt.topology.load import load_topology
+
+from .test_sim import DEGRADE, mesh
+
+
+class EagerBackups(engine._Backups):
+    """What the engine did before: backups computed at every recompute."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tables()
+
+
+def figures(r: SimReport) -> dict[str, object]:
+    d = r.to_dict()
+    del d["runtime_s"], d["perf"]
+    return d
+
+
+def busiest_relay(spec: str) -> str:
+    topo = load_topology(spec)
+    opt = compute_routes(topology_costs(topo), topo.names)
+    counts = np.bincount(opt.next_hop[opt.relayed()], minlength=topo.n)
+    return topo.names[int(counts.argmax())]
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_backups_on_demand_give_exactly_the_report_of_backups_every_recompute(
+    monkeypatch: pytest.MonkeyPatch, symmetric: bool
+) -> None:
+    spec = "gen:geo:n=60,seed=2"
+    topo = load_topology(spec)
+    hub = busiest_relay(spec)
+    events = [parse_event(f"at=8s node={hub} down"), parse_event(f"at=16s node={hub} up")]
+    cfg = SimConfig(duration_s=24.0, seed=3, symmetric=symmetric, recompute_s=5.0)
+    lazy = simulate(topo, events, cfg)
+    monkeypatch.setattr(engine, "_Backups", EagerBackups)
+    eager = simulate(topo, events, cfg)
+    assert lazy.failovers > 0  # the backups were used, not just skipped
+    assert figures(lazy) == figures(eager)
+    assert 0 < lazy.perf.backup_computations < eager.perf.backup_computations
+    assert eager.perf.backup_computations == eager.perf.recomputes
+
+
+def test_a_steady_mesh_never_computes_backups() -> None:
+    r = simulate(mesh("xyz", DEGRADE, default_ms=8.0), [], SimConfig(duration_s=20.0))
+    assert (r.perf.rounds, r.perf.recomputes, r.perf.backup_computations) == (80, 19, 0)
+    assert r.perf.phase_s["backups"] == 0.0
+
+
+def test_json_reports_time_per_simulated_second_and_its_phases() -> None:
+    r = simulate(mesh("xyz", DEGRADE, default_ms=8.0), [], SimConfig(duration_s=5.0))
+    perf = r.to_dict()["perf"]
+    assert perf["wall_per_simulated_s"] > 0 and perf["rounds"] == 20
+    phases = {"truth", "routes", "backups", "policy", "failover", "score", "probes"}
+    assert set(perf["phase_s"]) == phases
+    assert all(v is not None and v >= 0 for v in perf["phase_s"].values())
+    assert sum(r.perf.phase_s.values()) <= r.runtime_s
