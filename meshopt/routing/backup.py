@@ -25,9 +25,11 @@ not already node-protecting.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
+from meshopt.errors import InputError
 from meshopt.routing.allpairs import compute_routes, prepare_weights
 from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables
 
@@ -68,17 +70,36 @@ def _checked_dist(
     return dist
 
 
-def backup_next_hops(dist: FloatArray, weights: FloatArray, next_hop: IntArray) -> IntArray:
+def backup_next_hops(
+    dist: FloatArray,
+    weights: FloatArray,
+    next_hop: IntArray,
+    sources: Sequence[int] | IntArray | None = None,
+) -> IntArray:
     """Loop-free alternate for every pair, from distances and the weights behind them.
 
     ``weights`` are the (perturbed, relay-folded) edge weights that ``dist``
     and ``next_hop`` are shortest paths over; inf means no link.
+
+    ``sources`` limits the work to those rows (source nodes): each row costs
+    O(n²), so a caller needing a few rows (local fail-over) skips the O(n³)
+    total. Computed rows equal the full computation's exactly; the other rows
+    are all ``NO_ROUTE``. None means every row.
     """
+    n = dist.shape[0]
+    if sources is None:
+        srcs = np.arange(n, dtype=np.int64)
+    else:
+        srcs = np.unique(np.asarray(sources, dtype=np.int64).reshape(-1))
+        if srcs.size and (srcs[0] < 0 or srcs[-1] >= n):
+            raise InputError(f"backup sources must be row indices in [0, {n})")
     with np.errstate(over="ignore"):  # the _HUGE products overflow to inf on purpose
-        return _backup_next_hops(dist, weights, next_hop)
+        return _backup_next_hops(dist, weights, next_hop, srcs)
 
 
-def _backup_next_hops(dist: FloatArray, weights: FloatArray, next_hop: IntArray) -> IntArray:
+def _backup_next_hops(
+    dist: FloatArray, weights: FloatArray, next_hop: IntArray, srcs: IntArray
+) -> IntArray:
     n = dist.shape[0]
     out = np.full((n, n), NO_ROUTE, dtype=np.int64)
     if n < 2:
@@ -96,7 +117,7 @@ def _backup_next_hops(dist: FloatArray, weights: FloatArray, next_hop: IntArray)
     # a finite stand-in larger than any distance keeps that true and avoids inf - inf.
     fin = dist[np.isfinite(dist)]
     far = 2.0 * float(fin.max(initial=0.0)) + 1.0
-    for s in range(n):
+    for s in srcs.tolist():
         # key(d, m) = W(s,m) + D(m,d) for loop-free m, computed as
         # (D(m,d) - D(m,s)) + (W(s,m) + D(m,s)) to share the LFA test's difference.
         # Non-LFA m get max(key, (D(m,d) - D(m,s) - lim) * 1e300) >= _REJECT: a
@@ -165,15 +186,30 @@ def _node_protecting(
 
 
 def add_backups(
-    tables: RouteTables, link_cost: FloatArray, *, relay_hop_ms: float = 2.0
+    tables: RouteTables,
+    link_cost: FloatArray,
+    *,
+    relay_hop_ms: float = 2.0,
+    sources: Sequence[int] | IntArray | None = None,
 ) -> RouteTables:
     """A copy of ``tables`` with ``backup`` filled in (``NO_ROUTE`` where none exists).
 
     ``tables`` must come from ``compute_routes`` on the same ``link_cost`` and
     ``relay_hop_ms`` (its symmetric mode is taken from the tables); the
-    alternates are only loop-free relative to those primaries.
+    alternates are only loop-free relative to those primaries. ``sources``
+    as in ``backup_next_hops``: rows outside it are all ``NO_ROUTE``.
+    """
+    dist, weights = backup_inputs(tables, link_cost, relay_hop_ms=relay_hop_ms)
+    backup = backup_next_hops(dist, weights, tables.next_hop, sources)
+    return dataclasses.replace(tables, backup=backup, dist=dist)
+
+
+def backup_inputs(
+    tables: RouteTables, link_cost: FloatArray, *, relay_hop_ms: float = 2.0
+) -> tuple[FloatArray, FloatArray]:
+    """``(dist, weights)`` for ``backup_next_hops``, checked against ``tables``.
+
+    Lets a caller that fills rows in several calls pay the O(n²) check once.
     """
     _, weights = prepare_weights(link_cost, relay_hop_ms, tables.symmetric)
-    dist = _checked_dist(tables, link_cost, relay_hop_ms, weights)
-    backup = backup_next_hops(dist, weights, tables.next_hop)
-    return dataclasses.replace(tables, backup=backup, dist=dist)
+    return _checked_dist(tables, link_cost, relay_hop_ms, weights), weights

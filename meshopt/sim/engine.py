@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig, decide
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
-from meshopt.routing.backup import add_backups
+from meshopt.routing.backup import backup_inputs, backup_next_hops
 from meshopt.routing.tables import IntArray, reduce_paths
 from meshopt.sim.estimator import BoolArray, LinkEstimator
 from meshopt.sim.events import Event, check_events
@@ -179,28 +179,44 @@ class _Backups:
 
     ``add_backups`` is the O(n^3) part of a recompute (3.3 s of 4.2 at 1,000 nodes)
     and fail-over only reads it in rounds where an installed next hop is dead (none in
-    a steady mesh without loss). Computing it then from the recompute's own tables and
-    costs gives the same backups the controller shipped, so the results do not change
-    (tests/unit/test_sim_scale.py). With lossy links, false "dead" verdicts still need
-    it in most intervals of a large mesh; per-row backups would be the next step.
+    a steady mesh without loss), and then only in the rows (source nodes) holding such
+    an entry. So rows are computed on first use, each O(n^2); the controller's full
+    tables have the same values in those rows, so results do not change
+    (tests/unit/test_sim_scale.py, tests/unit/test_backup_sources.py).
     """
 
     def __init__(self, best: RouteTables, cost: FloatArray, relay: float, enabled: bool) -> None:
         self.best = best
         self._cost: FloatArray | None = cost if enabled else None
         self._relay = relay
+        self._inputs: tuple[FloatArray, FloatArray] | None = None  # dist, weights
+        self._done = np.zeros(best.n, dtype=bool)  # rows of best.backup computed so far
         self.computed = False
         self.took_s = 0.0
 
-    def tables(self) -> RouteTables | None:
-        """The tables with backups, or None when backups are off."""
+    def tables(self, rows: IntArray | None = None) -> RouteTables | None:
+        """The tables with backups in at least ``rows`` (None: all), or None when off.
+
+        Rows not computed yet hold ``NO_ROUTE``; callers read only the rows they asked for.
+        """
         if self._cost is None:
             return None
-        if not self.computed:
-            t0 = time.perf_counter()
-            self.best = add_backups(self.best, self._cost, relay_hop_ms=self._relay)
-            self.computed = True
-            self.took_s = time.perf_counter() - t0
+        want = np.arange(self.best.n) if rows is None else np.unique(rows)
+        need = want[~self._done[want]]
+        if need.size == 0 and self.best.backup is not None:
+            return self.best
+        t0 = time.perf_counter()
+        if self._inputs is None:
+            self._inputs = backup_inputs(self.best, self._cost, relay_hop_ms=self._relay)
+        dist, weights = self._inputs
+        every = need.size == self.best.n
+        fresh = backup_next_hops(dist, weights, self.best.next_hop, None if every else need)
+        if self.best.backup is not None:
+            fresh[self._done] = self.best.backup[self._done]  # keep the earlier rows
+        self.best = replace(self.best, backup=fresh, dist=dist)
+        self._done[need] = True
+        self.computed = True
+        self.took_s += time.perf_counter() - t0
         return self.best
 
 
@@ -225,7 +241,7 @@ def _effective(
     np.fill_diagonal(broken, False)  # a node's own entry (it is never probed) has no backup
     if not broken.any():
         return nh, none  # nothing to fail over: the backups are not needed this round
-    best = backups.tables()
+    best = backups.tables(np.flatnonzero(broken.any(axis=1)))
     if best is None or best.backup is None:
         return nh, none
     backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
