@@ -92,8 +92,15 @@ def test_demo_relays_the_bad_pairs_and_routes_around_changes(demo_tools: None) -
 
 def test_ctrl_c_tears_the_demo_down(demo_tools: None) -> None:
     name = f"demoint{RUN_ID}"
+    # As from a terminal: SIGINT at its default. A test run started in the background
+    # by a shell without job control inherits SIGINT ignored, and the demo with it
+    # (a clean-clone CI run started that way saw the demo finish and exit 0).
     proc = subprocess.Popen(
-        demo_argv(name), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        demo_argv(name),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lab_id = ""
     try:
