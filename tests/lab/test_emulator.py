@@ -16,7 +16,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,6 +44,7 @@ from .tools import (
     PingResult,
     assert_change_within_100ms,
     assert_goodput_near,
+    emulator_on_sockets,
     iperf3_between,
     ping_from,
     rtt_tolerance,
@@ -455,24 +455,8 @@ def loop_emulator() -> Iterator[tuple[Emulator, list[socket.socket]]]:
     )
     spec.delay_ms = [[0, 20, 0], [20, 0, 0], [0, 0, 0]]
     spec.rate_mbit = None
-    validate_spec(spec, check_system=False)
-    emu = Emulator(spec)
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
-    emu.attach_devices([theirs.detach() for _, theirs in pairs])
-    ours = [mine for mine, _ in pairs]
-    for sock in ours:
-        sock.settimeout(2.0)
-    thread = threading.Thread(target=emu.run, daemon=True)
-    thread.start()
-    try:
-        yield emu, ours
-    finally:
-        emu.stop()
-        thread.join(5)
-        assert not thread.is_alive(), "stop() did not end the loop"
-        emu.close()
-        for sock in ours:
-            sock.close()
+    with emulator_on_sockets(spec, timeout=2.0, check_stopped=True) as running:
+        yield running
 
 
 def test_loop_forwards_by_destination_with_delay(

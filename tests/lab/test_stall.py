@@ -18,7 +18,6 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +41,7 @@ from meshopt.topology.yamlfile import dump_yaml, parse_yaml
 from meshopt.units import parse_spike
 
 from .conftest import new_lab_id
-from .tools import need_tools
+from .tools import emulator_on_sockets, need_tools
 
 # --- the emulator's spike fault, over socket pairs ----------------------------------------
 
@@ -68,24 +67,8 @@ def _spec(spike: list[list[int]] | None) -> EmulatorSpec:
 @pytest.fixture
 def spiky() -> Iterator[tuple[Emulator, list[socket.socket]]]:
     """Two nodes, a->b spiking every packet (spike 1), b->a not at all."""
-    spec = _spec([[0, 1], [0, 0]])
-    validate_spec(spec, check_system=False)
-    emu = Emulator(spec)
-    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
-    emu.attach_devices([theirs.detach() for _, theirs in pairs])
-    ours = [mine for mine, _ in pairs]
-    for sock in ours:
-        sock.settimeout(5.0)
-    thread = threading.Thread(target=emu.run, daemon=True)
-    thread.start()
-    try:
-        yield emu, ours
-    finally:
-        emu.stop()
-        thread.join(5)
-        emu.close()
-        for sock in ours:
-            sock.close()
+    with emulator_on_sockets(_spec([[0, 1], [0, 0]]), timeout=5.0) as running:
+        yield running
 
 
 def test_spike_holds_packets_and_counts_them(spiky: tuple[Emulator, list[socket.socket]]) -> None:

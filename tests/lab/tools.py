@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from meshopt.lab.emulator import Emulator, EmulatorSpec, validate_spec
 from meshopt.lab.netns import netns_exec, netns_run
 
 IP_TCP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12: what the rate also carries
@@ -193,3 +197,30 @@ def controller_tally(lab: Any, cid: str) -> dict[str, int]:
     lines = re.findall(r"dropped so far: (\{.*\})", controller_log(lab, cid))
     out: dict[str, int] = json.loads(lines[-1]) if lines else {}
     return out
+
+
+@contextlib.contextmanager
+def emulator_on_sockets(
+    spec: EmulatorSpec, *, timeout: float, check_stopped: bool = False
+) -> Iterator[tuple[Emulator, list[socket.socket]]]:
+    """An Emulator whose nodes are SOCK_SEQPACKET pairs (no TUN, no namespace), its loop
+    in a thread; yields it and our end of each node's pair."""
+    validate_spec(spec, check_system=False)
+    emu = Emulator(spec)
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in spec.nodes]
+    emu.attach_devices([theirs.detach() for _, theirs in pairs])
+    ours = [mine for mine, _ in pairs]
+    for sock in ours:
+        sock.settimeout(timeout)
+    thread = threading.Thread(target=emu.run, daemon=True)
+    thread.start()
+    try:
+        yield emu, ours
+    finally:
+        emu.stop()
+        thread.join(5)
+        if check_stopped:
+            assert not thread.is_alive(), "stop() did not end the loop"
+        emu.close()
+        for sock in ours:
+            sock.close()
