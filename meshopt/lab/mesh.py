@@ -106,6 +106,33 @@ class LiveMesh:
         parts += [f"--- agent {n}\n{agent_log(self.lab, n)[-2000:]}" for n in self.nodes]
         return "\n".join(parts)
 
+    def diagnose(self) -> str:
+        """What a failed lab test needs to be explained after the fact (CI keeps only its
+        output): every node's policy rules, meshopt routes, tunnels and forwarding
+        counters, the underlay's drops and lag, and the logs' tails."""
+        parts: list[str] = []
+        commands = (
+            ["ip", "rule", "show"],
+            ["ip", "route", "show", "table", "all", "proto", "77"],
+            ["wg", "show", "all", "dump"],
+            ["sh", "-c", "grep -h . /proc/sys/net/ipv4/ip_forward; grep '^Ip:' /proc/net/snmp"],
+        )
+        for node in self.nodes:
+            for argv in commands:
+                try:
+                    out = self.lab.run(node, argv, timeout=10)
+                    text = (out.stdout + out.stderr).strip()
+                except (OSError, subprocess.SubprocessError) as exc:
+                    text = f"({exc})"
+                parts.append(f"--- {node}: {' '.join(argv)}\n{text}")
+        try:
+            stats = self.lab.emulator.stats()
+            parts.append("--- underlay stats\n" + json.dumps(stats, sort_keys=True)[:6000])
+        except Exception as exc:  # a diagnosis never hides the failure
+            parts.append(f"--- underlay stats unavailable: {exc}")
+        parts.append(self.logs())
+        return "\n".join(parts)
+
     # --- reading the nodes -------------------------------------------------------------
 
     def key_owner(self) -> dict[str, str]:

@@ -355,7 +355,11 @@ async def _connect(
         return await asyncio.wait_for(
             asyncio.open_connection(host, port, local_addr=local), timeout
         )
-    except (OSError, TimeoutError) as exc:
+    except TimeoutError as exc:
+        raise TransferError(
+            f"cannot connect to {host} port {port}: no answer in {timeout:g} s", code="connect"
+        ) from exc
+    except OSError as exc:
         raise TransferError(f"cannot connect to {host} port {port}: {exc}", code="connect") from exc
 
 

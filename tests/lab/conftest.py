@@ -29,6 +29,7 @@ from meshopt.lab.emulator import (
     write_spec,
 )
 from meshopt.lab.lab import Lab
+from meshopt.lab.mesh import LiveMesh
 from meshopt.lab.netns import create_netns, delete_netns, list_netns, netns_exists
 from meshopt.lab.procs import tagged_pids
 
@@ -42,6 +43,21 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "topologies"
 _counter = itertools.count()
 
 Matrix = Sequence[Sequence[float | None]]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test on a live mesh carries the mesh's state in its report: CI keeps
+    only the output, and a failure that comes once in a few runs must be explained
+    from it."""
+    report = yield
+    if report.when == "call" and report.failed:
+        funcargs = getattr(item, "funcargs", {})
+        for value in funcargs.values():
+            if isinstance(value, LiveMesh):
+                report.sections.append(("live mesh at the failure", value.diagnose()))
+                break
+    return report
 
 
 def _lab_unavailable() -> str | None:

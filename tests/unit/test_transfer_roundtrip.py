@@ -207,3 +207,30 @@ def test_agent_starts_and_stops_a_receiver_in_its_own_loop(tmp_path: Path) -> No
     with pytest.raises(TransferError) as info:  # closed: nothing listens any more
         asyncio.run(send_file(src, "127.0.0.1", port, cache_dir=tmp_path / "sc"))
     assert info.value.code == "connect"
+
+
+def test_a_receiver_that_never_answers_is_named_as_such(tmp_path: Path) -> None:
+    import socket
+
+    src = _write(tmp_path / "f.bin", random_bytes(1000))
+    with socket.socket() as listener, socket.socket() as first:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # never accepted: once its queue is full, SYNs go unanswered
+        port = listener.getsockname()[1]
+        first.connect(("127.0.0.1", port))
+        fillers = [socket.socket() for _ in range(2)]
+        try:
+            for s in fillers:
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", port))
+            with pytest.raises(TransferError) as info:
+                asyncio.run(
+                    send_file(
+                        src, "127.0.0.1", port, cache_dir=tmp_path / "sc", connect_timeout=0.5
+                    )
+                )
+        finally:
+            for s in fillers:
+                s.close()
+    assert info.value.code == "connect"
+    assert str(info.value).endswith("no answer in 0.5 s"), str(info.value)
