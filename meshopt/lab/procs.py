@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from meshopt.lab.netns import netns_argv
@@ -126,34 +126,51 @@ def kill_pids(pids: Sequence[int], *, timeout: float = 2.0) -> None:
     _wait_gone(pids, timeout)
 
 
-# The lab's stand-ins for the network and for kernel WireGuard run at real-time
-# priority: a real underlay and the kernel's WireGuard do not wait for the CPU behind
-# user processes, so a busy machine must not stretch the emulated delays. Measured on
-# the 2-core VM with two spinning processes: 18 % of the emulator's packets left more
-# than 1 ms late at nice -10 and pings on a 10 ms path averaged 16-21 ms; with these
-# priorities 0 % were late and the pings averaged 10.2 ms. The product (agents,
-# controllers) stays at normal priority and faces the load as on a shared VM.
-# The kernel's real-time throttling (sched_rt_runtime_us) keeps 5 % for everyone else.
+# The emulator stands in for the network and runs at real-time priority: a real
+# underlay does not wait for the CPU behind user processes, so a busy machine must not
+# stretch the emulated delays. Measured on the 2-core VM with two spinning processes:
+# 18 % of its packets left more than 1 ms late at nice -10, 0 % at SCHED_FIFO. It is
+# one thread, so it can take at most one core, and the kernel's real-time throttling
+# (sched_rt_runtime_us) keeps 5 % of that core for everyone else.
+#
+# wireguard-go stands in for kernel WireGuard but is not given real-time priority: at
+# ~90 Mbit/s through a relay, six wireguard-go processes at SCHED_FIFO (Go runtimes that
+# spin for work) took both cores for tens of seconds; the agents, the broker client and
+# wireguard-go's own control socket starved, every peer read as dead and the controller
+# withdrew every route (seen in CI and reproduced with a stall plus iperf3). At nice -10
+# it still wins the CPU over normal processes ~9:1, and it yields it back.
 EMULATOR_RT_PRIORITY = 20
-WIREGUARD_RT_PRIORITY = 10
+WIREGUARD_NICE = -10
 REALTIME_ENV = "MESHOPT_LAB_REALTIME"  # "0": leave the lab's processes at normal priority
 
 
 def realtime(pid: int, priority: int) -> str | None:
     """SCHED_FIFO at ``priority`` for every thread of ``pid`` (threads it creates later
     inherit it); None when done, else why not (the lab then runs without it)."""
+    param = os.sched_param(priority)
+    return _each_thread(
+        pid, lambda tid: os.sched_setscheduler(tid, os.SCHED_FIFO, param), "SCHED_FIFO"
+    )
+
+
+def favour(pid: int, nice: int) -> str | None:
+    """``nice`` for every thread of ``pid`` (Linux keeps one per thread; threads created
+    later inherit it); None when done, else why not."""
+    return _each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice), f"nice {nice}")
+
+
+def _each_thread(pid: int, apply: Callable[[int], None], what: str) -> str | None:
     if os.environ.get(REALTIME_ENV, "1") == "0":
         return f"{REALTIME_ENV}=0"
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError as exc:
         return f"pid {pid}: {exc.strerror}"
-    param = os.sched_param(priority)
     for tid in tids:
         try:
-            os.sched_setscheduler(tid, os.SCHED_FIFO, param)
+            apply(tid)
         except ProcessLookupError:
             continue  # a thread that just ended
         except OSError as exc:
-            return f"SCHED_FIFO refused: {exc.strerror}"
+            return f"{what} refused: {exc.strerror}"
     return None

@@ -98,11 +98,9 @@ def start_wireguard(lab: Lab, wg_ifs: Sequence[WgIfPlan]) -> WgBackend:
         except WireGuardError as exc:
             raise LabError(str(exc)) from None
         wg.log.close()  # the process keeps its own descriptor; the lab outlives us
-        why = procs.realtime(wg.pid, procs.WIREGUARD_RT_PRIORITY)
+        why = procs.favour(wg.pid, procs.WIREGUARD_NICE)
         if why is not None:
-            _log.warning(
-                "lab %s: wireguard-go runs without real-time priority (%s)", plan.name, why
-            )
+            _log.warning("lab %s: wireguard-go runs at normal priority (%s)", plan.name, why)
         state.procs.append(ProcState(f"wg:{node.name}:{w.ifname}", wg.pid, node.netns, str(log)))
         save(state)
     return _UserspaceLabBackend(lab)
