@@ -63,6 +63,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshopt.agent")
 
+# How long an existing interface that does not answer keeps its last WireGuard reading.
+UNREADABLE_GRACE_S = 30.0
+
 # What a reload cannot change under a running agent (open sockets, the broker session,
 # the state it keeps); everything else takes effect at SIGHUP.
 AGENT_RESTART_ONLY = (
@@ -164,6 +167,7 @@ class Agent:
         self.transfer: TransferServer | None = None
         self.addresses: list[str] = []
         self.interfaces: list[str] = []
+        self._last_read: dict[str, tuple[float, InterfaceState]] = {}
         self.cadence = Cadence()  # full snapshots, change reports, heartbeats
         self.installed_routes = 0
         self.installed: list[DesiredRoute] = []  # the last apply's routes (metrics, status)
@@ -398,14 +402,25 @@ class Agent:
     # --- peers ------------------------------------------------------------------------
 
     async def _read_interfaces(self) -> dict[str, InterfaceState]:
+        """Every matching interface's WireGuard state. One that still exists but does not
+        answer (wireguard-go starved on a busy VM, its control socket timing out) keeps
+        its last reading for UNREADABLE_GRACE_S: whether its peers are alive is the
+        probes' call, and dropping them would have the controller withdraw their routes."""
         names = await self.net.match_interfaces(self.cfg.interfaces)
+        now = self.clock()
         out: dict[str, InterfaceState] = {}
         for name in names:
             try:
                 out[name] = await self.wg.get(name)
+                self._last_read[name] = (now, out[name])
             except MeshoptError as exc:
-                # Not a WireGuard interface (a glob matched too much) or it is going away.
+                # Not a WireGuard interface (a glob matched too much), going away, or slow.
                 self.counters.count("interface_unreadable", f"{name}: {exc}")
+                last = self._last_read.get(name)
+                if last is not None and now - last[0] <= UNREADABLE_GRACE_S:
+                    out[name] = last[1]
+        for name in set(self._last_read) - set(names):
+            del self._last_read[name]
         return out
 
     async def _poll_peers(self) -> None:
