@@ -66,6 +66,16 @@ log = logging.getLogger("meshopt.agent")
 # How long an existing interface that does not answer keeps its last WireGuard reading.
 UNREADABLE_GRACE_S = 30.0
 
+# The agent's MQTT keepalive. At the bus's default (4 s) a VM stall of 3 s read as a dead
+# node (seen in the lab): a keepalive ping was in flight when the process stopped, and on
+# waking the MQTT client found no answer within the keepalive and closed the connection
+# itself; the broker published the will and the controller routed around the node.
+# The broker side allows 1.5 x keepalive of silence. At 10 s a stall must last ~10 s.
+# A silently dead node is found by its peers' probes within a second and by the
+# controller's stale telemetry; the will still arrives at once when the process dies
+# (the kernel closes its connection).
+AGENT_KEEPALIVE_S = 10
+
 # What a reload cannot change under a running agent (open sockets, the broker session,
 # the state it keeps); everything else takes effect at SIGHUP.
 AGENT_RESTART_ONLY = (
@@ -189,6 +199,7 @@ class Agent:
             client_id=f"meshopt-agent-{cfg.mesh}-{cfg.node}",
             will=lambda: self.core.new_session(self.wall()),
             subscriptions=[self.topics.routes(cfg.node)],
+            keepalive_s=AGENT_KEEPALIVE_S,
         )
         self.bus.on_connect = self._on_connect
 

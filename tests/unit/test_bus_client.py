@@ -337,6 +337,32 @@ def test_will_published_when_client_dies(broker: Broker, death: str) -> None:
     run(main())
 
 
+def test_an_agent_stalled_for_seconds_keeps_its_session(broker: Broker) -> None:
+    """A VM stall is not a dead node: an agent stopped for 8 s keeps its session, so no
+    will goes out. At the bus's default keepalive (4 s) the broker may end a session
+    after 6 s of silence; at the agent's (10 s), after 15 s."""
+    from meshopt.agent.daemon import AGENT_KEEPALIVE_S
+
+    topic = TOPICS.status("victim")
+
+    async def main() -> None:
+        victim = await asyncio.to_thread(start_victim, broker, topic, AGENT_KEEPALIVE_S)
+        try:
+            inbox = Inbox()
+            watcher = BusClient(broker.tcp_url, client_id="watch", subscriptions=[topic])
+            async with running(watcher, inbox):
+                assert (await inbox.get())[1] == b"online"
+                os.kill(victim.pid, signal.SIGSTOP)
+                await asyncio.sleep(8)
+                os.kill(victim.pid, signal.SIGCONT)
+                with pytest.raises(TimeoutError):
+                    await inbox.get(3)
+        finally:
+            kill_by_pid(victim)
+
+    run(main())
+
+
 def test_clean_stop_publishes_the_will(broker: Broker) -> None:
     """A normal DISCONNECT makes the broker drop the will, so the client sends it itself."""
     topic = TOPICS.status("a")
