@@ -135,6 +135,9 @@ class RobustConfig:
     burst_s: float = 0.05  # outliers arriving this close together are one group
     warmup: int = 8  # accepted samples before anything is rejected
     agree_rel: float = 0.1  # confirming groups agree within this share of their offset
+    # From this many warm-up samples on, check for a far-off one at every sample (0: only
+    # at the end of the warm-up, as the simulator's vectorised rule does; see AGENT).
+    early_reseed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("k", "min_scale_ms", "min_scale_rel", "burst_s", "agree_rel"):
@@ -143,12 +146,18 @@ class RobustConfig:
                 raise InputError(f"estimator {name} must be a finite number >= 0, not {v!r}")
         if self.k <= 0:
             raise InputError(f"estimator k must be > 0, not {self.k!r}")
-        if self.confirm < 1 or self.warmup < 0:
-            raise InputError("estimator confirm must be >= 1 and warmup >= 0")
+        if self.confirm < 1 or self.warmup < 0 or self.early_reseed < 0:
+            raise InputError("estimator confirm must be >= 1, warmup and early_reseed >= 0")
 
 
 # A plain EWMA: every sample accepted (k = inf cannot be expressed, so no warm-up end).
 PLAIN = RobustConfig(warmup=2**62)
+# The agent's rule (RttEstimator's default): a far-off warm-up sample is dropped from
+# the third sample on. The first probe over a fresh tunnel waits for WireGuard's
+# handshake; left in until the eighth sample it lifts the estimate and its noise by
+# tens of ms (a quarter of bench8's links at their first report), and the controller
+# routes on three samples. The simulator's vectorised rule checks at the end only.
+AGENT = RobustConfig(early_reseed=3)
 
 
 def scale_of(sigma: float, level: float, config: RobustConfig) -> float:
@@ -210,7 +219,7 @@ class RttEstimator:
         if not 0 < alpha <= 1:
             raise InputError(f"EWMA weight must be in (0, 1], not {alpha!r}")
         self.alpha = alpha
-        self.config = config or RobustConfig()
+        self.config = config or AGENT
         self._share, self._gain = tables(alpha)
         self.outliers = 0  # samples rejected since creation
         self.changes = 0  # confirmed changes (restarts at a new level)
@@ -271,14 +280,24 @@ class RttEstimator:
             self._warm.append(x)
             if self._accepted == warmup:
                 self._reseed()
+            elif 0 < self.config.early_reseed <= len(self._warm):
+                self._reseed(final=False)
 
-    def _reseed(self) -> None:
-        """At the end of the warm-up: :func:`warm_up_restart`, if a sample was far off."""
-        values, self._warm = self._warm, []
+    def _reseed(self, *, final: bool = True) -> None:
+        """:func:`warm_up_restart`, if a warm-up sample was far off: at the end of the
+        warm-up, and from the third sample on (the first probe over a fresh tunnel waits
+        for WireGuard's handshake: left in, it lifts the first routes' estimates and
+        their noise by tens of ms until the eighth sample). A spike found early leaves
+        the warm-up's samples, so the later checks judge the others."""
+        values = self._warm
+        if final:
+            self._warm = []
         restart = warm_up_restart(values, self.config)
         if restart is None:
             return
         level, kept = restart
+        if not final:
+            self._warm = list(kept)
         self._srtt = level
         self._k = len(kept)
         sigma = mad_sigma(kept)

@@ -42,12 +42,13 @@ EasyTier no margin at all, and it oscillates; RON routes around outages in
 * ``abs_margin_ms = 3``: a route change costs something real (reordering, a
   TCP RTT/cwnd re-estimate, a new relay's CPU), so tiny gains are not worth it;
   but on the short paths of a regional mesh (20–40 ms RTT) a relay that saves
-  6 ms RTT is a 20 % improvement, and with the relay hop's own 2 ms in the
-  metric it gains only 4: a 5 ms margin left such paths 25 % slower than the
-  optimum forever (measured in the lab). Against flapping the noise term and
-  the hold time do the work; the margin only sets the smallest gain worth a
-  change. Netbird's 20 ms is sized for P2P versus a TURN relay far away;
-  between mesh nodes it would forbid most useful relay choices.
+  6 ms RTT is a 20 % improvement (the relay hop's own cost is ~0.1 ms, measured:
+  ``meshopt.metric.RELAY_HOP_MS``): a 5 ms margin left such paths 25 % slower than
+  the optimum forever (measured in the lab, when a relay hop was priced at 2 ms).
+  Against flapping the noise term and the hold time do the work; the margin
+  only sets the smallest gain worth a change. Netbird's 20 ms is sized for P2P
+  versus a TURN relay far away; between mesh nodes it would forbid most useful
+  relay choices.
 * ``rel_margin = 0.10``: the relative margin is permanent hysteresis (it is not
   time-based), so it must stay small enough that a real 10 %+ improvement is
   still taken; 20 % (Netbird) or a third (Tailscale) would leave a path 25 %
@@ -70,14 +71,20 @@ EasyTier no margin at all, and it oscillates; RON routes around outages in
   RON's ~18 s).
 
 * ``confirm_abs_ms = 0.5``, ``confirm_rel = 0.02``, ``confirm_s = 30``: a relay
-  saving 4 ms RTT on a 30 ms path gains only ~1.2-1.4 ms in the metric (its relay
-  hop costs 2 ms and the jitter of two links counts twice), under both large
-  margins and close to 1 ms; the lab's 8-node benchmark has such a pair, and the
-  route-quality goal is every pair within 5 % of the optimum. Tailscale switches
-  at 1 %. Noise rarely keeps the installed path from being the best for 30 s on
-  end when two paths are equal (the estimates decorrelate in a few seconds), so
-  this does not bring flapping back (the simulator's and the policy's jitter
-  tests, and the lab's 10-minute ±20 % jitter run, count the changes).
+  saving 2-3 ms RTT on a 30 ms path is under both large margins (with a fixed 2 ms
+  relay hop and the two links' jitter summed, so was one saving 4 ms); the lab's
+  8-node benchmark has such pairs, and the route-quality goal is every pair
+  within 5 % of the optimum. Tailscale switches at 1 %. Noise rarely keeps the
+  installed path from being the best for 30 s on end when two paths are equal
+  (the estimates decorrelate in a few seconds), so this does not bring flapping
+  back (the simulator's and the policy's jitter tests, and the lab's 10-minute
+  ±20 % jitter run, count the changes).
+
+Hysteresis lives here, in the margins, the noise test and the hold, not in the
+price: ``decide(..., link_jitter=...)`` prices paths with their jitter combined as a
+root-sum-square (:func:`rss_path_cost`), and a relay hop costs what it measurably
+costs. The controller runs the first ``startup_s`` with a short hold and confirm time
+(both ``startup_hold_s``), so routes chosen on a few samples improve quickly.
 
 A first install (``installed is None``) counts as a change: its entries are
 held for ``hold_s`` from ``now`` (failures still switch at once).
@@ -209,6 +216,32 @@ def path_cost(next_hop: IntArray, link_cost: FloatArray, relay_hop_ms: float = 2
     )
 
 
+def rss_path_cost(
+    next_hop: IntArray,
+    link_cost: FloatArray,
+    link_jitter: FloatArray,
+    relay_hop_ms: float = 2.0,
+    symmetric: bool = False,
+) -> FloatArray:
+    """Cost of every path of ``next_hop`` with the links' jitter terms combined as a
+    root-sum-square: sum(cost - jitter) + sqrt(sum(jitter^2)) + relays * relay_hop_ms.
+
+    ``link_jitter`` is the jitter term inside ``link_cost`` (never above it; clipped).
+    In symmetric mode both matrices are the mean of the two directions first (the
+    caller's ``link_cost`` may already be). inf where the walk breaks or a link is down.
+    """
+    jit = np.asarray(link_jitter, dtype=np.float64)
+    cost = np.asarray(link_cost, dtype=np.float64)
+    if symmetric:
+        jit = (jit + jit.T) / 2.0
+    jit = np.where(np.isfinite(cost), np.minimum(jit, cost), 0.0)
+    base = _without_relay(
+        reduce_paths(next_hop, _with_relay(cost - jit, relay_hop_ms)), relay_hop_ms
+    )
+    out: FloatArray = base + np.sqrt(reduce_paths(next_hop, jit**2))
+    return out
+
+
 def reindex(installed: Installed, old_names: Sequence[str], new_names: Sequence[str]) -> Installed:
     """Carry an installed state over to a new node list (nodes joined or left).
 
@@ -276,12 +309,18 @@ def decide(
     *,
     relay_hop_ms: float = 2.0,
     symmetric: bool = False,
+    link_jitter: FloatArray | None = None,
 ) -> Decision:
     """Decide, for every entry, between the installed next hop and the new best one.
 
     ``link_cost`` is the current metric cost of each link (inf = down), without
     the relay-hop cost; ``link_noise`` the standard deviation (ms) of each
-    link's cost estimate. In symmetric mode both directions of a pair are
+    link's cost estimate. ``link_jitter`` is the jitter term inside each link's
+    cost (``jitter_weight * sigma``): given, both paths are priced with their
+    jitter combined as a root-sum-square (independent delays add variances), not
+    summed per link, which would overprice every relayed path by up to
+    sqrt(hops) and keep a real gain out (hysteresis belongs in the margins, not
+    in the price). In symmetric mode both directions of a pair are
     decided together (on the mean of the two directions, as the route engine
     does) and the result keeps WireGuard AllowedIPs consistent. Inputs are
     never mutated.
@@ -306,9 +345,15 @@ def decide(
         # The engine routes on the mean of both directions; the mean's variance is a quarter sum.
         cost = (cost + cost.T) / 2.0
         var = (var + var.T) / 4.0
-    w = _with_relay(cost, relay_hop_ms)
-    cur = _without_relay(reduce_paths(c, w), relay_hop_ms)
-    new = _without_relay(reduce_paths(b, w), relay_hop_ms)
+    if link_jitter is None:
+        w = _with_relay(cost, relay_hop_ms)
+        cur = _without_relay(reduce_paths(c, w), relay_hop_ms)
+        new = _without_relay(reduce_paths(b, w), relay_hop_ms)
+    else:
+        _check_square("link_jitter", link_jitter, n)
+        _check_costs("link_jitter", link_jitter)
+        cur = rss_path_cost(c, cost, link_jitter, relay_hop_ms, symmetric)
+        new = rss_path_cost(b, cost, link_jitter, relay_hop_ms, symmetric)
     var_cur = reduce_paths(c, var)
     var_new = reduce_paths(b, var)
     diff: BoolArray = c != b

@@ -87,6 +87,11 @@ def peer_changed(o: PeerReport, n: PeerReport, cfg: TelemetrySettings) -> bool:
         step = abs(n.rtt_ms - o.rtt_ms)
         if step >= cfg.rtt_change_ms and step >= cfg.rtt_change_rel * o.rtt_ms:
             return True
+        # A young estimate is told again each time its samples double (up to 16): the
+        # controller routes on three, and the policy weighs a gain against their noise,
+        # which shrinks fast; a 5 s snapshot would hold the first routes back.
+        if o.samples < 16 and n.samples >= 2 * max(o.samples, 1):
+            return True
     return (o.loss or 0.0) != (n.loss or 0.0) and abs(
         (n.loss or 0.0) - (o.loss or 0.0)
     ) >= cfg.loss_change

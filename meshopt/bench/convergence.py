@@ -29,15 +29,18 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from meshopt.analysis import Plan
 from meshopt.bench.cpuload import cpu_load, lag_window
 from meshopt.bus.messages import decode_lease
 from meshopt.bus.signing import unsigned_payload
 from meshopt.demo import busiest_relay, pick_degradation
 from meshopt.lab.lab import Lab
 from meshopt.lab.measure import (
+    near_optimum,
     on_optimum,
     optimum,
     outage_time,
@@ -59,7 +62,10 @@ TOPOLOGY = packaged("bench8.yaml")  # shipped in the package: found when install
 class RunResult:
     converged_s: float | None = None
     settled_s: float | None = None  # also every gain over the policy's confirm margins
+    read_s: float = 0.0  # the slowest reading of every node's next hops meanwhile
     within_5pct: int = 0
+    within_goal: int = 0  # within max(5 %, 1 ms)
+    on_optimum_path: int = 0
     policy_optimal: int = 0
     pairs: int = 0
     median_error: float | None = None
@@ -69,6 +75,50 @@ class RunResult:
     controller_failover_s: float | None = None
     routes_moved_during_failover: int | None = None
     lab_fidelity: dict[str, Any] = field(default_factory=dict)
+
+
+def snapshot(mesh: LiveMesh) -> dict[str, dict[str, str]]:
+    """Every node's next hops, read in parallel: one ``wg show`` per node takes seconds
+    on a loaded machine, and read one after another they blur the time of the reading."""
+    with ThreadPoolExecutor(max_workers=len(mesh.nodes) or 1) as pool:
+        return dict(zip(mesh.nodes, pool.map(mesh._node_hops, mesh.nodes), strict=True))
+
+
+def kept(best: Plan, hops: dict[str, dict[str, str]], abs_ms: float, rel: float) -> int:
+    """Pairs on a path the policy keeps (as ``measure.on_optimum``, on one snapshot)."""
+    return sum(
+        1
+        for a, b in pairs(sorted(hops))
+        if near_optimum(best, LiveMesh.path_from(hops, a, b), abs_ms, rel)
+    )
+
+
+def converge_times(
+    mesh: LiveMesh, best: Plan, t0: float, policy: PolicyConfig, timeout_s: float
+) -> tuple[float | None, float | None, float]:
+    """(every pair within the large margins, every pair on a path the policy keeps,
+    the slowest reading of the nodes), seconds from ``t0``.
+
+    A time is when the snapshot that first showed it was complete (the routes were
+    there by then); the slowest reading says how much earlier they may have been."""
+    everyone = len(pairs(mesh.nodes))
+    large: float | None = None
+    small: float | None = None
+    slowest = 0.0
+    while time.monotonic() - t0 < timeout_s:
+        began = time.monotonic()
+        hops = snapshot(mesh)
+        done = time.monotonic()
+        slowest = max(slowest, done - began)
+        if large is None and kept(best, hops, policy.abs_margin_ms, 0.05) == everyone:
+            large = done - t0
+        if kept(best, hops, policy.confirm_abs_ms, policy.confirm_rel) == everyone:
+            small = done - t0
+            if large is None:
+                large = small
+            break
+        time.sleep(max(0.0, 0.5 - (time.monotonic() - began)))
+    return large, small, slowest
 
 
 def read_lease(lab: Lab) -> tuple[str, float] | None:
@@ -113,29 +163,27 @@ def one_run(
         best = optimum(mesh, Metric())
         t0 = time.monotonic()
         policy = PolicyConfig()
-        everyone = len(pairs(mesh.nodes))
-        res.converged_s = wait_until(
-            lambda: on_optimum(mesh, best, abs_ms=policy.abs_margin_ms)[0] == everyone,
-            90,
-            interval=0.5,
+        # Within the large margins, then also every gain over the confirm margins
+        # (taken once it has lasted the confirm time).
+        res.converged_s, res.settled_s, res.read_s = converge_times(
+            mesh, best, t0, policy, timeout_s=90 + policy.confirm_s + policy.hold_s
         )
         progress(f"run {index}: converged after {res.converged_s} s (from agent start)")
-        # Gains under the large margins are taken once they have lasted confirm_s.
-        settled = wait_until(
-            lambda: (
-                on_optimum(mesh, best, abs_ms=policy.confirm_abs_ms, rel=policy.confirm_rel)[0]
-                == everyone
-            ),
-            policy.confirm_s + policy.hold_s + 30,
-            interval=0.5,
-        )
-        res.settled_s = None if settled is None else time.monotonic() - t0
         progress(f"run {index}: small gains taken after {res.settled_s} s (from agent start)")
         time.sleep(2.0)
         quality = route_quality(mesh, count=10, abs_margin_ms=policy.confirm_abs_ms)
         errs = [q.error for q in quality if q.error is not None]
         res.pairs = len(quality)
         res.within_5pct = sum(1 for e in errs if e <= 0.05)
+        # The issue's goal: within max(5 %, 1 ms) of the optimum's RTT. And the pairs on
+        # the optimum's own path: a miss there is the loaded lab's forwarding, not routing.
+        res.within_goal = sum(
+            1
+            for q in quality
+            if q.achieved_ms is not None
+            and q.achieved_ms <= max(q.optimum_ms * 1.05, q.optimum_ms + 1.0)
+        )
+        res.on_optimum_path = sum(1 for q in quality if q.path == q.optimum_path)
         res.policy_optimal = sum(1 for q in quality if q.policy_optimal)
         res.median_error = statistics.median(errs) if errs else None
         res.worst = [
@@ -149,7 +197,10 @@ def one_run(
             }
             for q in sorted(quality, key=lambda q: -(q.error or 0))[:3]
         ]
-        progress(f"run {index}: {res.within_5pct}/{res.pairs} pairs within 5 % of the optimum")
+        progress(
+            f"run {index}: {res.within_5pct}/{res.pairs} pairs within 5 % of the optimum, "
+            f"{res.within_goal} within max(5 %, 1 ms), {res.on_optimum_path} on its path"
+        )
 
         deg = pick_degradation(lab.topo, best, symmetric=layout == "single")
         if deg is not None:
@@ -297,6 +348,8 @@ def _bench(
         "cpu_load": cpu_load_n,
         "route_quality": {
             "share_within_5pct": statistics.median(within) if within else None,
+            "within_max_5pct_1ms_by_run": [r.within_goal for r in results],
+            "on_the_optimum_path_by_run": [r.on_optimum_path for r in results],
             "share_on_a_path_the_policy_keeps": statistics.median(kept) if kept else None,
             "median_error": summary([r.median_error for r in results])["median"],
             "worst_pairs_by_run": [r.worst for r in results],
@@ -305,6 +358,9 @@ def _bench(
         },
         "initial_convergence_s": med("converged_s"),
         "small_gains_taken_s": med("settled_s"),
+        # How long one reading of every node's next hops took (at most): the times
+        # above are when a reading was complete, so they may be this much late.
+        "slowest_next_hop_read_s": med("read_s"),
         "degradation_s": {**med("degradation_s"), "goal": "<= 3"},
         "failure_s": {**med("failure_s"), "goal": "<= 1"},
         "controller_failover_s": {

@@ -23,7 +23,7 @@ from meshopt.configfile import (
     read_toml,
 )
 from meshopt.errors import InputError
-from meshopt.metric import Metric
+from meshopt.metric import RELAY_HOP_MS, Metric
 from meshopt.metrics import ControllerMetricsSettings, parse_listen
 from meshopt.policy import PolicyConfig
 
@@ -42,7 +42,7 @@ class PolicySettings(PolicyConfig):
 class MetricSettings:
     jitter_weight: float = 2.0
     loss_penalty_ms: float = 200.0
-    relay_hop_ms: float = 2.0
+    relay_hop_ms: float = RELAY_HOP_MS
 
     def metric(self) -> Metric:
         return Metric(
@@ -72,10 +72,16 @@ class ControllerConfig:
     nodes: tuple[str, ...] = ()  # allow-list; empty: any node that publishes telemetry
     symmetric: bool = False  # true for meshes in the single-interface layout
     debounce_s: float = 0.2
-    warmup_s: float = 10.0  # first routes once every link has warmup_samples, or after this
-    warmup_samples: int = 8
+    # First routes once every link has warmup_samples (~1 s of probes: each estimate
+    # carries its noise, so the policy's margins and noise test decide what a young
+    # estimate may move: a relay far better moves at once, a near tie waits), or warmup_s
+    # after the first telemetry when some link never answers.
+    warmup_s: float = 3.0
+    warmup_samples: int = 3
     startup_s: float = 60.0  # after the first telemetry: the routes are still settling
-    startup_hold_s: float = 5.0  # hold time meanwhile (the policy's own hold_s after)
+    # Hold time meanwhile (the policy's own hold_s after), and the confirm time of small
+    # gains (the policy's confirm_s after; the noise test still applies).
+    startup_hold_s: float = 5.0
     stale_after_s: float = 15.0
     lease_s: float = 3.0
     settle_s: float = 0.5
@@ -124,6 +130,12 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
             raise InputError("lease_s must be >= 1 s")
         if cfg.settle_s >= cfg.lease_s:
             raise InputError("settle_s must be shorter than lease_s")
+        if not cfg.warmup_samples >= 1:
+            raise InputError("warmup_samples must be >= 1")
+        for key in ("warmup_s", "startup_s", "startup_hold_s"):
+            v = getattr(cfg, key)
+            if not v >= 0.0:
+                raise InputError(f"{key} must be >= 0, got {v!r}")
         cfg.policy.policy()
         cfg.metric.metric()
         parse_listen(cfg.metrics.listen)
