@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -44,12 +45,14 @@ import platform
 import signal
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from meshopt.bench import synthetic
 from meshopt.bench.synthetic import BenchError, RunSettings, SyntheticMesh, ingest_cost, run_once
 from meshopt.errors import MeshoptError
 
@@ -63,6 +66,7 @@ FIGURES: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "death_affected_latency_median_s": (("death", "affected_latency_median_s"), 1.0, 3.0),
     "death_affected_latency_p95_s": (("death", "affected_latency_p95_s"), 1.0, 3.0),
     "controller_cpu_pct": (("steady", "controller_cpu_pct"), 15.0, 60.0),
+    "controller_cpu_pct_late": (("steady", "controller_cpu_pct_late"), 15.0, 60.0),
     "controller_rss_mb": (("steady", "controller_rss_mb"), 500.0, 2000.0),
     "broker_cpu_pct": (("steady", "broker_cpu_pct"), None, None),
     "generator_cpu_pct": (("steady", "generator_cpu_pct"), None, None),
@@ -168,6 +172,70 @@ def headline(result: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+# The controller's start-up phase (ControllerConfig.startup_s): a short hold lets the
+# policy take gains on young estimates, one route set each. Steady state is after it.
+STARTUP_S = 60.0
+
+
+class CpuTrace:
+    """The controller's CPU over a whole run, sampled from /proc every 0.25 s, and when
+    each phase began (the run's progress lines): the steady window starts 2 s after the
+    first routes, inside the controller's start-up minute at these sizes, so its CPU is
+    the start-up figure; ``late`` gives the CPU over the window's last seconds, once
+    they lie past the start-up minute (``--steady 80`` and more at N = 250)."""
+
+    def __init__(self, late_s: float | None = None) -> None:
+        self.late_s = late_s
+        self.samples: list[tuple[float, float]] = []
+        self.marks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._progress = synthetic.progress
+
+    def __enter__(self) -> CpuTrace:
+        def mark(text: str) -> None:
+            for phase in ("agents connected", "steady window done"):
+                if phase in text:
+                    self.marks.setdefault(phase, time.monotonic())
+            self._progress(text)
+            if "steady window done" in text and self.late_s is not None:
+                # On stderr at once too: a run that fails later still leaves its figure.
+                self._progress(f"controller CPU, steady (late): {self.late(self.late_s)} %")
+
+        synthetic.progress = mark
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        synthetic.progress = self._progress
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.25):
+            for stack in list(synthetic._LIVE):
+                p = stack.controller
+                if p is not None and p.poll() is None:
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        self.samples.append((time.monotonic(), synthetic.proc_cpu_s(p.pid)))
+
+    def share(self, t0: float, t1: float) -> float | None:
+        """% of one core between the samples nearest inside [t0, t1]."""
+        inside = [x for x in self.samples if t0 <= x[0] <= t1]
+        if len(inside) < 2 or inside[-1][0] - inside[0][0] < 1.0:
+            return None
+        (a, ca), (b, cb) = inside[0], inside[-1]
+        return round(100 * (cb - ca) / (b - a), 2)
+
+    def late(self, window_s: float) -> float | None:
+        """CPU over the steady window's last ``window_s``, if they start past start-up."""
+        start = self.marks.get("agents connected")
+        end = self.marks.get("steady window done")
+        if start is None or end is None or end - window_s < start + STARTUP_S:
+            return None
+        return self.share(end - window_s, end)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -219,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         "--ingest-only",
         action="store_true",
         help="only time the ingest in-process (no broker, no controller process)",
+    )
+    ap.add_argument(
+        "--late",
+        type=float,
+        default=20.0,
+        help="controller_cpu_pct_late: CPU over the steady window's last LATE s, reported "
+        f"when they start {STARTUP_S:g} s (the controller's start-up) after the agents "
+        "connected; use --steady 80 or more at N = 250",
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
@@ -280,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
                     routes_timeout_s=args.routes_timeout or (60.0 if n <= 250 else 180.0),
                     change_window_s=20.0 if n <= 250 else 60.0,
                 )
-                runs.append(asyncio.run(run_once(settings)))
+                with CpuTrace(args.late) as trace:
+                    run = asyncio.run(run_once(settings))
+                if isinstance(run.get("steady"), dict):
+                    run["steady"]["controller_cpu_pct_late"] = trace.late(args.late)
+                runs.append(run)
             result["sizes"][str(n)] = {"figures": summarise(runs, n), "runs": runs}
             if args.ingest:
                 mesh = SyntheticMesh(n, args.seed)

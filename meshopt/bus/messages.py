@@ -437,6 +437,50 @@ def _check_table(t: PeerTable) -> None:
             raise _bad("bad_value", f"table.{name}: a value outside 0..{hi:g}")
 
 
+# What counts as a significant move of one peer between two snapshots: the agent's own
+# change-report thresholds (meshopt.agent.telemetry.peer_changed, defaults).
+MOVED_RTT_MS: Final = 1.0
+MOVED_RTT_REL: Final = 0.1
+MOVED_LOSS: Final = 0.01
+MOVED_YOUNG_SAMPLES: Final = 16  # a young estimate moves each time its samples double
+
+
+def tables_moved(old: PeerTable | None, new: PeerTable) -> bool:
+    """True when ``new`` differs from ``old`` as much as a change report would: other
+    peers, a peer alive/dead, an RTT appearing or gone, an RTT step of >= 1 ms and
+    >= 10 %, a loss step of >= 0.01, a young estimate's samples doubled. A controller
+    acts on such a snapshot at once and batches the rest (noise its policy would not
+    act on). Columns only, no rows."""
+    if old is None or old.keys != new.keys or old.alive != new.alive:
+        return True
+    o_rtt, n_rtt = old.values("rtt"), new.values("rtt")
+    if (o_rtt is None) != (n_rtt is None):
+        return True
+    if o_rtt is not None and n_rtt is not None:
+        abs_units = MOVED_RTT_MS / DELAY_UNIT_MS
+        for a, b in zip(o_rtt, n_rtt, strict=True):
+            if a != b and (a == NONE_U32 or b == NONE_U32):
+                return True
+            step = abs(b - a)
+            if step >= abs_units and step >= MOVED_RTT_REL * a:
+                return True
+    o_n, n_n = old.values("samples"), new.values("samples")
+    if n_n is not None:
+        for a, b in zip(o_n or array("I", bytes(4 * len(new))), n_n, strict=True):
+            if a < MOVED_YOUNG_SAMPLES and b >= 2 * max(a, 1):
+                return True
+    o_loss, n_loss = old.values("loss"), new.values("loss")
+    if o_loss == n_loss:
+        return False
+    zeros = array("H", bytes(2 * len(new)))
+    units = MOVED_LOSS / RATIO_UNIT
+    for a, b in zip(o_loss or zeros, n_loss or zeros, strict=True):
+        a, b = (0 if a == NONE_U16 else a), (0 if b == NONE_U16 else b)
+        if abs(b - a) >= units - 1e-9:
+            return True
+    return False
+
+
 class Telemetry(msgspec.Struct, kw_only=True, frozen=True):
     """An agent's report: a full snapshot (``full``) or only the peers that changed."""
 
@@ -591,20 +635,43 @@ def _text(value: str | None, field: str, limit: int = MAX_TEXT) -> None:
         raise _bad("bad_value", f"{field} longer than {limit} characters")
 
 
+# Keys and prefixes found valid, remembered: a route set repeats the same few hundred
+# (every destination's prefix, every peer's key) in each of its ~500 routes, and the
+# controller validates each set it signs, the agent each it receives. ``ipaddress``
+# parsing was most of the 10 ms of signing an 84 kB set (issue 15). Only valid strings
+# are kept (a refusal is re-checked each time), at most _VALID_MAX of each (cleared
+# when full: hostile input can cost a re-parse, never memory).
+_VALID_MAX: Final = 65536
+_valid_keys: set[str] = set()
+_valid_prefixes: set[str] = set()
+
+
+def _remember(seen: set[str], value: str) -> None:
+    if len(seen) >= _VALID_MAX:
+        seen.clear()
+    seen.add(value)
+
+
 def _key(value: str, field: str) -> None:
+    if value in _valid_keys:
+        return
     try:
         check_key(value)
     except KeyFormatError:
         raise _bad("bad_key", f"{field} is not a base64 WireGuard key") from None
+    _remember(_valid_keys, value)
 
 
 def _prefix(value: str, field: str) -> None:
+    if value in _valid_prefixes:
+        return
     try:
         if "/" not in value:
             raise ValueError(value)
         ipaddress.ip_network(value, strict=True)
     except ValueError:
         raise _bad("bad_prefix", f"{field} {value[:60]!r} is not a prefix") from None
+    _remember(_valid_prefixes, value)
 
 
 def _count(items: Sized, field: str, limit: int) -> None:

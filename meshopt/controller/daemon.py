@@ -17,8 +17,12 @@ At 250 nodes a recompute takes seconds and a burst is 250 route sets of 84 kB (i
 * route sets wait in a queue, one per node (a newer set replaces one not yet sent),
   and go out ``MAX_IN_FLIGHT`` at a time without awaiting each PUBACK in turn, the most
   urgent first (a failed next hop, then a moved one, then backups and bulk routes);
-  each is signed as it leaves the queue (10 ms for 84 kB: 249 sets signed up front kept
-  the urgent ones waiting 2.5 s), in the loop's thread, which alone assigns versions;
+  each is signed as it leaves the queue (249 sets signed up front kept the urgent ones
+  waiting 2.5 s; a set of 84 kB now takes 0.7 ms of CPU to sign, as validation
+  remembers the keys and prefixes it has checked), in the loop's thread, which alone
+  assigns versions;
+* full snapshots that only carry noise are batched (the core's ``recompute_due``):
+  recomputing for each of the ~6 a second took 40 % of a core at 250 nodes;
 * a set is sent only while we hold the lease; while the renewal is on its way the
   queue waits, and it is dropped (the core told) if another controller took over.
 """
@@ -181,6 +185,7 @@ class Controller:
         """One recompute in a worker thread; the loop keeps serving the broker meanwhile."""
         self.core.dirty_since = None  # cleared here: a failure reported meanwhile re-marks it
         self.core.urgent = False
+        self.core.prompt = False
         self._computing = True
         started = time.perf_counter()
         try:

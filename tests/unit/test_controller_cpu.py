@@ -1,0 +1,236 @@
+"""The controller's CPU at scale (issue 15): snapshots that carry only noise are batched,
+anything that moved is acted on after the debounce, and signing a route set does not
+re-parse the prefixes and keys it repeats. Pure calls with injected clocks."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from meshopt.agent.core import AgentCore, RouteState
+from meshopt.agent.telemetry import Plan, signed_telemetry
+from meshopt.bench.synthetic import CONTROLLER_ID, MESH, SyntheticMesh
+from meshopt.bus import messages
+from meshopt.bus.messages import (
+    BusMessageError,
+    PeerReport,
+    Route,
+    RouteSet,
+    Telemetry,
+    peer_table,
+    tables_moved,
+)
+from meshopt.bus.signing import generate_signing_key, public_key_b64, sign, verify_route_set
+from meshopt.controller.config import ControllerConfig, Enrolment
+from meshopt.controller.core import ROUTINE_SHARE, ControllerCore
+from meshopt.wireguard.keys import generate_keypair
+
+KEYS = [generate_keypair()[1] for _ in range(4)]
+WALL = 1_700_000_000.0
+
+
+def table(*rows: tuple[float | None, float | None, bool | None]) -> messages.PeerTable:
+    return peer_table(
+        [
+            PeerReport(public_key=KEYS[i], ifname="wg0", rtt_ms=rtt, loss=loss, alive=alive)
+            for i, (rtt, loss, alive) in enumerate(rows)
+        ]
+    )
+
+
+def test_noise_does_not_move_a_table_but_what_a_change_report_would_send_does() -> None:
+    base = table((20.0, 0.0, True), (5.0, None, True))
+    assert tables_moved(None, base)
+    assert not tables_moved(base, base)
+    assert not tables_moved(base, table((20.4, 0.0, True), (5.05, None, True)))  # 1-2 %
+    assert not tables_moved(base, table((21.5, 0.0, True), (5.0, None, True)))  # 7.5 %
+    assert not tables_moved(base, table((20.0, 0.0, True), (5.9, None, True)))  # < 1 ms
+    assert tables_moved(base, table((23.0, 0.0, True), (5.0, None, True)))  # 3 ms, 15 %
+    assert tables_moved(base, table((15.0, 0.0, True), (5.0, None, True)))  # down 25 %
+    assert tables_moved(base, table((20.0, 0.0, True), (None, None, True)))  # RTT gone
+    assert tables_moved(base, table((20.0, 0.0, False), (5.0, None, True)))  # dead
+    assert tables_moved(base, table((20.0, 0.02, True), (5.0, None, True)))  # loss
+    assert tables_moved(base, table((20.0, 0.0, True), (5.0, 0.01, True)))  # loss from none
+    assert not tables_moved(base, table((20.0, 0.005, True), (5.0, None, True)))
+    assert tables_moved(base, table((20.0, 0.0, True)))  # a peer gone
+    swapped = peer_table(
+        [
+            PeerReport(public_key=KEYS[1], ifname="wg0", rtt_ms=5.0, alive=True),
+            PeerReport(public_key=KEYS[0], ifname="wg0", rtt_ms=20.0, loss=0.0, alive=True),
+        ]
+    )
+    assert tables_moved(base, swapped)
+
+
+def test_a_young_estimate_moves_each_time_its_samples_double() -> None:
+    def with_samples(*n: int) -> messages.PeerTable:
+        return peer_table(
+            [
+                PeerReport(public_key=KEYS[i], ifname="wg0", rtt_ms=20.0, samples=k)
+                for i, k in enumerate(n)
+            ]
+        )
+
+    assert tables_moved(with_samples(3, 100), with_samples(6, 100))
+    assert not tables_moved(with_samples(3, 100), with_samples(5, 200))  # 100: not young
+    assert not tables_moved(with_samples(20, 100), with_samples(40, 100))
+    assert tables_moved(with_samples(0, 100), with_samples(2, 100))
+
+
+def _routes(n: int) -> list[Route]:
+    keys = [generate_keypair()[1] for _ in range(3)]
+    return [
+        Route(dst=f"10.9.{i // 250}.{i % 250}/32", via=keys[i % 3], backup=keys[(i + 1) % 3])
+        for i in range(n)
+    ]
+
+
+def test_signing_twice_checks_the_same_and_a_bad_value_is_refused_every_time() -> None:
+    key, pub = generate_signing_key()
+    routes = _routes(300)
+    rs = RouteSet(mesh="m", node="a", version=1, issued_at=WALL, controller="c", term=1)
+    rs = msgspec.structs.replace(rs, routes=routes)
+    first = sign("routes", rs, key)
+    assert sign("routes", rs, key) == first  # Ed25519 is deterministic: the same bytes
+    assert verify_route_set(first, [pub], mesh="m", node="a").routes == routes
+    for bad in (
+        Route(dst="10.9.0.1/33", via=routes[0].via),
+        Route(dst="10.9.0.1/24", via=routes[0].via),  # host bits set
+        Route(dst=routes[0].dst, via=routes[0].via[:-2] + "=="),
+    ):
+        for _ in range(2):  # refused, not remembered
+            with pytest.raises(BusMessageError):
+                sign("routes", msgspec.structs.replace(rs, routes=[*routes[1:], bad]), key)
+
+
+def test_the_remembered_values_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(messages, "_VALID_MAX", 10)
+    monkeypatch.setattr(messages, "_valid_prefixes", set())
+    for i in range(25):
+        messages._prefix(f"10.1.{i}.0/24", "dst")
+        assert len(messages._valid_prefixes) <= 10
+    with pytest.raises(BusMessageError, match="bad_prefix"):
+        messages._prefix("10.1.1.1/24", "dst")
+
+
+class Mesh:
+    """A controller core that holds the lease, and three agents feeding it snapshots."""
+
+    def __init__(self) -> None:
+        self.mesh = SyntheticMesh(3, seed=1)
+        cfg = ControllerConfig(
+            mesh=MESH,
+            id=CONTROLLER_ID,
+            signing_key="/unused",
+            node_keys=tuple(Enrolment(x.name, public_key_b64(x.identity)) for x in self.mesh.nodes),
+            warmup_s=0.0,
+            warmup_samples=1,
+            settle_s=0.1,
+            lease_s=1000.0,  # held throughout: these tests are about recomputes
+        )
+        self.core = ControllerCore(cfg, generate_signing_key()[0])
+        self.agents = [
+            AgentCore(MESH, x.name, x.identity, [], RouteState(), WALL) for x in self.mesh.nodes
+        ]
+        self.peers = [self.mesh.reports(x.index, random.Random(1)) for x in self.mesh.nodes]
+        self.now = 0.0
+        for _ in range(5):
+            for p in self.core.tick(self.now, WALL + self.now):
+                if p.node is None:  # the broker's echo of our lease and status
+                    self.core.on_message(p.topic, p.payload, True, self.now, WALL + self.now)
+            self.now += 0.5
+        assert self.core.lease.role == "active"
+
+    def send(self, i: int, peers: list[PeerReport], *, full: bool = True) -> None:
+        x = self.mesh.nodes[i]
+        msg = signed_telemetry(
+            self.agents[i],
+            WALL + self.now,
+            public_keys=[x.wg_key],
+            addresses=[x.address],
+            plan=Plan(full, peers, 5.0),
+            counters={},
+        )
+        topic = f"meshopt/bench/telemetry/{x.name}"
+        self.core.on_message(topic, msg, False, self.now, WALL + self.now)
+
+    def due(self) -> bool:
+        return self.core.recompute_due(self.now, WALL + self.now)
+
+    def recompute(self) -> None:
+        assert self.due()
+        self.core.recompute_now(self.now, WALL + self.now)
+        assert self.core.dirty_since is None and not self.core.prompt
+
+
+def _scaled(peers: list[PeerReport], factor: float) -> list[PeerReport]:
+    return [
+        msgspec.structs.replace(p, rtt_ms=None if p.rtt_ms is None else p.rtt_ms * factor)
+        for p in peers
+    ]
+
+
+def test_a_noise_snapshot_waits_for_the_routine_spacing_and_a_move_does_not() -> None:
+    m = Mesh()
+    core = m.core
+    for i in range(3):
+        m.send(i, m.peers[i])
+    assert core.prompt  # new nodes: acted on at once
+    m.now += 1.0
+    m.recompute()
+    assert core.recomputed_at == m.now
+    core.recompute_cpu_s = 0.4  # as if the recompute had cost 0.4 s of CPU
+    spacing = 0.4 / ROUTINE_SHARE
+    debounce = core.cfg.debounce_s
+
+    m.now += 0.1
+    m.send(0, _scaled(m.peers[0], 1.02))  # 2 % noise
+    assert core.dirty_since == m.now and not core.prompt
+    m.now += debounce + 0.1
+    assert not m.due()  # routine: spaced out
+    m.now = core.recomputed_at + spacing
+    assert m.due()
+    m.recompute()
+    core.recompute_cpu_s = 0.4
+
+    m.now += 0.1
+    m.send(1, _scaled(m.peers[1], 1.5))  # a 50 % step in a snapshot
+    assert core.prompt
+    m.now += debounce + 0.01
+    assert m.due()
+    m.recompute()
+    core.recompute_cpu_s = 0.4
+
+    m.now += 0.1
+    m.send(2, m.peers[2][:1], full=False)  # a change report: acted on after the debounce
+    assert core.prompt
+    assert not m.due()
+    m.now += debounce + 0.01
+    assert m.due()
+
+
+def test_a_snapshot_without_a_table_is_never_taken_for_noise() -> None:
+    m = Mesh()
+    core = m.core
+    for i in range(3):
+        m.send(i, m.peers[i])
+    m.now += 1.0
+    m.recompute()
+    core.recompute_cpu_s = 10.0
+    m.now += 0.1
+    x = m.mesh.nodes[0]
+    t = Telemetry(
+        mesh=MESH,
+        node=x.name,
+        public_key=x.wg_key,
+        addresses=[x.address],
+        seq=m.agents[0].next_seq(),
+        sent_at=WALL + m.now,
+        full=True,
+        peers=m.peers[0],  # rows, as tools send: nothing cheap to compare
+    )
+    msg = sign("telemetry", t, x.identity)
+    core.on_message(f"meshopt/bench/telemetry/{x.name}", msg, False, m.now, WALL + m.now)
+    assert core.dirty_since == m.now and core.prompt
