@@ -307,9 +307,15 @@ def test_agent_restart_leaves_no_duplicates_or_orphans(mesh: LiveMesh) -> None:
     out = lab.run("n1", ["ip", "-j", "route", "show", "table", "7701"]).stdout
     dsts = [r["dst"] for r in json.loads(out)]
     assert sorted(dsts) == sorted(set(dsts)) == sorted(routes)
-    assert mesh.allowed_ips("n1") == allowed
-    prefixes = [p for ps in allowed.values() for p in ps]
+    # Every prefix exactly once, none left behind, none lost. Which peer carries a
+    # relayed destination may differ from before the crash: the controller goes on
+    # improving routes meanwhile (n1 -> n4 through n2 or n3 is a 15 % choice), and the
+    # restarted agent installs what the current route set says.
+    before_prefixes = sorted(p for ps in allowed.values() for p in ps)
+    prefixes = sorted(p for ps in mesh.allowed_ips("n1").values() for p in ps)
+    assert prefixes == before_prefixes
     assert len(prefixes) == len(set(prefixes))
+    assert mesh.path("n1", "n4")[-1] == "n4"  # delivered, not looping or dropped
     # A clean stop withdraws: no route of ours left, AllowedIPs back to the lab's own.
     mesh.stop_agent("n1")
     assert mesh.installed("n1") == {}
