@@ -160,17 +160,23 @@ def favour(pid: int, nice: int) -> str | None:
 
 
 def _each_thread(pid: int, apply: Callable[[int], None], what: str) -> str | None:
+    """``apply`` to every thread, listing them again until a pass finds no new one: a
+    thread started meanwhile by one not yet done would inherit the old setting."""
     if os.environ.get(REALTIME_ENV, "1") == "0":
         return f"{REALTIME_ENV}=0"
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError as exc:
-        return f"pid {pid}: {exc.strerror}"
-    for tid in tids:
+    done: set[int] = set()
+    while True:
         try:
-            apply(tid)
-        except ProcessLookupError:
-            continue  # a thread that just ended
+            tids = {int(t) for t in os.listdir(f"/proc/{pid}/task")} - done
         except OSError as exc:
-            return f"{what} refused: {exc.strerror}"
-    return None
+            return f"pid {pid}: {exc.strerror}"
+        if not tids:
+            return None
+        for tid in tids:
+            done.add(tid)
+            try:
+                apply(tid)
+            except ProcessLookupError:
+                continue  # a thread that just ended
+            except OSError as exc:
+                return f"{what} refused: {exc.strerror}"
