@@ -114,6 +114,9 @@ __all__ = ["PROBE_PORT", "ProbeConfig", "Prober", "Target"]
 DRAIN = 64  # datagrams read per wake-up before yielding to the loop
 RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and late replies
 SLACK_S = 0.001  # a timer that fires this early still counts as due
+# A timer this late means the prober itself was not running (a stalled process or VM);
+# busy-loop lateness below it is not worth a log line, and crediting it changes nothing.
+STALL_TOLERANCE_S = 0.1
 GRID_S = 0.05  # slower peers' sends land on this grid: a few wake-ups carry many probes
 _SEQ_MOD = 2**32
 
@@ -237,11 +240,12 @@ class _Peer:
     bytes_received: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Pending:
     peer: _Peer
     send_ns: int
     sent_at: float  # monotonic
+    expires_at: float  # sent_at + timeout_s, later by the time the prober was stalled
 
 
 @dataclass
@@ -281,6 +285,7 @@ class Prober:
             "clock_step": 0,
             "send_error": 0,
             "recv_error": 0,
+            "stalls": 0,
         }
         self._peers: dict[str, _Peer] = {}
         # (time, tie, peer) heaps, checked lazily: an entry whose peer was dropped, whose
@@ -295,6 +300,7 @@ class Prober:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._wake_at: float | None = None  # when the armed timer is due
         self._logged: set[str] = set()
 
     # -- life cycle ------------------------------------------------------------------
@@ -498,6 +504,7 @@ class Prober:
             self._timer.cancel()
         wake = self._next_wake(now)
         delay = max(0.0, wake - now)
+        self._wake_at = now + delay
         self._timer = self._loop.call_later(delay, self._on_timer)
 
     def _next_wake(self, now: float) -> float:
@@ -512,7 +519,7 @@ class Prober:
         if deaths:
             wake = min(wake, deaths[0][0])  # maybe stale (a reply came): a wasted wake-up
         for pending in self._pending.values():  # the oldest times out first
-            wake = min(wake, pending.sent_at + self.config.timeout_s)
+            wake = min(wake, pending.expires_at)
             break
         return wake
 
@@ -530,22 +537,41 @@ class Prober:
 
     def _on_timer(self) -> None:
         self._timer = None
+        late = self._clock() - self._wake_at if self._wake_at is not None else 0.0
         # Replies that arrived while this loop was late (a stall) are taken first, with
         # their kernel stamps, so they count before any peer is judged.
         self._on_readable()
         now = self._clock()
+        if late > STALL_TOLERANCE_S:
+            self._credit_stall(late, now)
         try:
             self._tick(now)
         finally:
             if self._sock is not None:
                 self._arm(self._clock())
 
+    def _credit_stall(self, late: float, now: float) -> None:
+        """The prober woke ``late`` seconds after its timer was due: its process (or the
+        whole machine) was stalled, and so, likely, were the tunnel and the peers' replies.
+        That silence is its own, not the peers': it is taken off every peer's silence and
+        every pending probe's timeout, so a stall is never read as a dead peer or as loss.
+        A peer that really died meanwhile is found one dead time after the stall."""
+        self.counters["stalls"] += 1
+        if late >= 0.5:
+            log.info("prober: woke %.2f s late (stalled); that silence is not the peers'", late)
+        for peer in self._peers.values():
+            if peer.last_reply is not None:
+                peer.last_reply = min(now, peer.last_reply + late)
+            if peer.first_unanswered is not None:
+                peer.first_unanswered = min(now, peer.first_unanswered + late)
+        for pending in self._pending.values():
+            pending.expires_at += late
+
     def _tick(self, now: float) -> None:
         due = now + SLACK_S
-        cfg = self.config
         while self._pending:
             seq, pending = next(iter(self._pending.items()))
-            if pending.sent_at + cfg.timeout_s > due:
+            if pending.expires_at > due:
                 break
             del self._pending[seq]
             if pending.peer.alive is None:
@@ -596,7 +622,7 @@ class Prober:
         send_ns = time.time_ns()
         stamp(data, send_ns)
         sent_at = self._clock()
-        self._pending[seq] = _Pending(peer, send_ns, sent_at)
+        self._pending[seq] = _Pending(peer, send_ns, sent_at, sent_at + self.config.timeout_s)
         peer.last_sent = sent_at
         if peer.unanswered == 0:
             peer.first_unanswered = sent_at

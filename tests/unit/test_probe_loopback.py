@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -147,6 +151,62 @@ def test_a_stalled_loop_is_not_a_dead_peer() -> None:
             responder.close()
 
     asyncio.run(main())
+    assert events == []
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
+        s.bind(("::1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_stalled_machine_is_not_a_dead_peer() -> None:
+    """The responder's process and the prober's loop stop for 1.5 s (a VM that loses the
+    CPU; the responder stands for the peer's path, wireguard-go included) with a probe in
+    flight, and resume: the prober wakes before the reply can come back, and must not read
+    its own silence as the peer's. Without the stall credit it declared the peer dead at
+    once, and alive again a moment later."""
+    events: list[tuple[str, bool]] = []
+    port = free_udp_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshopt.probe.responder", "--host", "::1", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+    )
+
+    async def main() -> None:
+        prober = Prober(ProbeConfig(port=port), on_change=lambda n, a: events.append((n, a)))
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        try:
+            await until(lambda: prober.alive("peer") is True, timeout=10.0)
+            await asyncio.sleep(1.2)  # probes sent while the responder started have expired
+            before = prober.stats("peer")
+            assert before is not None
+            for _ in range(3):
+                os.kill(proc.pid, signal.SIGSTOP)
+                # A probe goes out unanswered (3 a second), as one in flight on a real
+                # path would be, then the prober stops too. Silence before the stall is
+                # at most 0.33 + 0.34 s, short of dead_after_s (0.8 s).
+                await asyncio.sleep(0.34)
+                time.sleep(1.5)  # blocks this loop: nothing is sent, read or judged
+                # The path wakes a little after the prober: on a real mesh the reply is
+                # still an RTT (and the peer's wireguard-go) away when the prober resumes.
+                asyncio.get_running_loop().call_later(0.1, os.kill, proc.pid, signal.SIGCONT)
+                await asyncio.sleep(1.5)
+                assert prober.alive("peer") is True
+            assert events == []
+            assert prober.counters["stalls"] >= 3
+            s = prober.stats("peer")
+            assert s is not None and s.lost == before.lost, s  # nor is the silence loss
+        finally:
+            await prober.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
     assert events == []
 
 
