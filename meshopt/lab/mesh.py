@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshopt.lab.agents import (
@@ -130,6 +131,13 @@ class LiveMesh:
             parts.append("--- underlay stats\n" + json.dumps(stats, sort_keys=True)[:6000])
         except Exception as exc:  # a diagnosis never hides the failure
             parts.append(f"--- underlay stats unavailable: {exc}")
+        for proc in self.lab.state.procs:
+            if proc.role.startswith("wg:") and proc.log:
+                try:
+                    tail = Path(proc.log).read_text(errors="replace")[-1500:]
+                except OSError as exc:
+                    tail = f"({exc})"
+                parts.append(f"--- wireguard-go {proc.role[3:]}\n{tail}")
         parts.append(self.logs())
         return "\n".join(parts)
 

@@ -94,6 +94,9 @@ def start_wireguard(lab: Lab, wg_ifs: Sequence[WgIfPlan]) -> WgBackend:
                 run_dir=str(run_dir),
                 env={procs.TAG: plan.lab_id},
                 log_path=str(log),
+                # Handshake attempts, retries and keepalives (not per packet): a tunnel
+                # that comes up late in a failed test is explained from this log.
+                log_level="verbose",
             )
         except WireGuardError as exc:
             raise LabError(str(exc)) from None
