@@ -65,6 +65,13 @@ is not this prober's, whose seq was never sent (or belongs to a removed target),
 repeats or that comes after ``timeout_s`` is dropped and counted (``wrong_nonce``,
 ``unknown_seq``, ``duplicate``, ``late``; a late reply still proves the peer alive).
 
+Two things are never held against a peer. Probes sent before it first answered waited
+for WireGuard's first handshake (or its agent's start): their replies prove it alive
+but are no RTT sample (``early_reply``), and their loss is not counted. And time the
+prober itself did not run: a timer that fires more than ``STALL_TOLERANCE_S`` late (a
+stalled process or VM, whose tunnel stalled too) adds that lateness to every peer's
+silence budget and every pending probe's timeout (``stalls``).
+
 ``python -m meshopt.probe.prober --target n2=10.0.0.2 --duration 5`` probes for a
 while and prints the statistics as JSON (``--events``: a JSON line per flip first).
 """
@@ -246,6 +253,9 @@ class _Pending:
     send_ns: int
     sent_at: float  # monotonic
     expires_at: float  # sent_at + timeout_s, later by the time the prober was stalled
+    # Sent before the peer ever answered: it waited for WireGuard's handshake (or for the
+    # peer's agent), so its RTT measures that wait, and its loss is not the path's.
+    early: bool = False
 
 
 @dataclass
@@ -286,6 +296,7 @@ class Prober:
             "send_error": 0,
             "recv_error": 0,
             "stalls": 0,
+            "early_reply": 0,
         }
         self._peers: dict[str, _Peer] = {}
         # (time, tie, peer) heaps, checked lazily: an entry whose peer was dropped, whose
@@ -574,12 +585,13 @@ class Prober:
             if pending.expires_at > due:
                 break
             del self._pending[seq]
-            if pending.peer.alive is None:
-                # Never answered yet: its agent or tunnel is still coming up. Counting
-                # these as loss would make a new peer look lossy for a whole window.
+            self._recent.add(seq, "expired", pending.peer)  # a late reply still proves life
+            if pending.early:
+                # Sent before the peer first answered: its agent or tunnel was still
+                # coming up. Counting these as loss would make a new peer look lossy for
+                # a whole window.
                 continue
             pending.peer.window.add_loss(seq, now)
-            self._recent.add(seq, "expired", pending.peer)
         deaths = self._deaths
         while deaths and deaths[0][0] <= due:
             _, _, peer = heapq.heappop(deaths)
@@ -622,7 +634,9 @@ class Prober:
         send_ns = time.time_ns()
         stamp(data, send_ns)
         sent_at = self._clock()
-        self._pending[seq] = _Pending(peer, send_ns, sent_at, sent_at + self.config.timeout_s)
+        self._pending[seq] = _Pending(
+            peer, send_ns, sent_at, sent_at + self.config.timeout_s, early=peer.alive is None
+        )
         peer.last_sent = sent_at
         if peer.unanswered == 0:
             peer.first_unanswered = sent_at
@@ -708,6 +722,12 @@ class Prober:
         rtt_ns = span_ns - reply.turnaround_ns
         if rtt_ns <= 0:
             self._bad("bad_turnaround", addr, f"turnaround {reply.turnaround_ns} ns >= RTT")
+            return
+        if pending.early:
+            # Queued behind WireGuard's first handshake: proof of life, not an RTT (under
+            # load a handshake retried after 5 s flushed replies of 700 ms into the
+            # estimate of an 80 ms tunnel).
+            self.counters["early_reply"] += 1
             return
         peer.window.add_reply(reply.seq, rtt_ns / 1e6, now)
 

@@ -81,11 +81,14 @@ def test_prober_and_responder_see_each_other(bind: str, target: str) -> None:
         # every reply was timed by the kernel, none by the fallback
         assert prober.counters["no_kernel_ts"] == 0
         assert responder.counters["no_kernel_ts"] == 0
-        assert prober.timer_error.count == s.received
+        # every reply was timed, the first one too (it waited for the "handshake": proof
+        # of life, not a sample)
+        assert prober.counters["early_reply"] == 1
+        assert prober.timer_error.count == s.received + 1
         median = prober.timer_error.median_us()
         assert median is not None and median > 0  # user space reads after the kernel stamp
         assert prober.bytes_sent("peer") == (HEADER_BYTES + 10) * prober.counters["sent"]
-        assert prober.bytes_received("peer") == HEADER_BYTES * s.received  # replies unpadded
+        assert prober.bytes_received("peer") == HEADER_BYTES * (s.received + 1)  # unpadded
         assert responder.counters["echoed"] >= s.received
         assert responder.counters["bad_packet"] == prober.counters["bad_packet"] == 0
 
@@ -210,6 +213,47 @@ def test_a_stalled_machine_is_not_a_dead_peer() -> None:
     assert events == []
 
 
+def test_replies_held_behind_a_handshake_are_life_not_rtt() -> None:
+    """The peer's end holds the first probes for 1.5 s, then answers them at once (what
+    wireguard-go's queue does while a first handshake is retried): they prove the peer
+    alive, but their 0.2-1.5 s are not the path's RTT, nor are they loss."""
+    port = free_udp_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshopt.probe.responder", "--host", "::1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert "listening" in proc.stdout.readline()  # bound: held probes queue in its socket
+
+    async def main() -> None:
+        os.kill(proc.pid, signal.SIGSTOP)
+        prober = Prober(ProbeConfig(port=port))
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        try:
+            await asyncio.sleep(1.5)
+            assert prober.alive("peer") is None
+            os.kill(proc.pid, signal.SIGCONT)
+            await until(lambda: (s := prober.stats("peer")) is not None and s.samples >= 5, 10.0)
+        finally:
+            await prober.close()
+        s = prober.stats("peer")
+        assert s is not None and prober.alive("peer") is True
+        assert s.rtt_p95_ms is not None and s.rtt_p95_ms < 50.0, s  # none of them is a sample
+        assert s.srtt_ms is not None and s.srtt_ms < 50.0, s
+        assert s.lost == 0, s
+        held = prober.counters["early_reply"] + prober.counters["late"]
+        assert held >= 3, prober.counters  # the probes of the 1.5 s
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def test_a_peer_that_dies_during_a_stall_is_declared_dead_soon_after() -> None:
     events: list[tuple[str, bool, float]] = []
 
@@ -326,7 +370,9 @@ def test_prober_drops_and_counts_garbage_and_mismatched_replies() -> None:
         assert c["bad_packet.oversized"] == 2 and c["bad_packet.short"] == 2
         assert (c["wrong_nonce"], c["unknown_seq"], c["duplicate"], c["late"]) == (1, 1, 1, 1)
         evil_stats = prober.stats("evil")
-        assert evil_stats is not None and evil_stats.received == 1 and evil_stats.lost >= 1
+        # its one good reply answered its first probe: proof of life, not a sample
+        assert evil_stats is not None and evil_stats.received == 0 and evil_stats.lost >= 1
+        assert c["early_reply"] == 2  # the first reply of each peer
         good_stats = prober.stats("good")
         assert good_stats is not None and good_stats.lost == 0
         assert prober.alive("good") is True
