@@ -17,7 +17,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -26,8 +26,6 @@ from meshopt.lab.mesh import LiveMesh, wait_until
 
 from .conftest import EXAMPLES, new_lab_id
 from .tools import need_tools
-
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +70,6 @@ def agreeing(mesh: LiveMesh, read: Callable[[], Any], path_of: Callable[[Any], l
     raise AssertionError(f"CLI vs nodes (before, shown, after): {seen}\n{mesh.logs()}")
 
 
-def until_measured(read: Callable[[], T], ok: Callable[[T], bool], tries: int = 6) -> T:
-    """Read until ``ok``: a VM stall longer than dead_after_s (0.8 s) makes a node declare a
-    tunnel dead for a moment, and its RTT is then shown as unknown (CI saw it once). That
-    is a true report of what the node measured, so read again, a few seconds at most."""
-    got = read()
-    for _ in range(tries - 1):
-        if ok(got):
-            break
-        time.sleep(1)
-        got = read()
-    return got
-
-
 def relay_path(data: dict[str, Any]) -> list[str]:
     """n1 -> n4 among the graph's relay paths (listed once per direction pair), or direct."""
     for p in data["relay_paths"]:
@@ -115,35 +100,24 @@ def test_routes_json_shows_the_relay_the_nodes_use(mesh: LiveMesh) -> None:
         route: dict[str, Any] = next(r for r in d["nodes"]["n1"]["routes"] if r["dst"] == "n4")
         return route
 
-    def settled(d: dict[str, Any]) -> bool:
-        """Both RTTs known and inside the bounds asserted below. A VM stall lifts a smoothed
-        RTT for a few seconds only; a wrong link's figure stays out of bounds on every
-        reading, so reading again still catches it."""
-        r = to_n4_of(d)
-        if r["direct_rtt_ms"] is None or r["rtt_ms"] is None or len(r["path"]) < 2:
-            return False
-        want = underlay_rtt(mesh, r["path"])
-        return bool(want * 0.9 < r["rtt_ms"] < want * 2 + 5 and 72 < r["direct_rtt_ms"] < 400)
-
-    data = until_measured(
-        lambda: agreeing(mesh, read, lambda d: to_n4_of(d)["path"]), settled, tries=10
-    )
+    data = agreeing(mesh, read, lambda d: to_n4_of(d)["path"])
     assert data["mesh"] == name and sorted(data["nodes"]) == ["n1", "n2", "n3", "n4"]
     n1 = data["nodes"]["n1"]
     assert n1["controller"] == "ctl1" and n1["verified"] is None and n1["online"] is True
     assert time.time() - 600 < n1["since"] <= time.time()
     to_n4 = to_n4_of(data)
     assert to_n4["relayed"] and to_n4["next_hop"] == to_n4["path"][1]
-    # Measured RTTs cannot beat the emulated underlay; above it, they carry the load of a
-    # shared 2-core machine (smoothed estimates once read 66 ms on a 40 ms path), so the
-    # upper bound only catches a wrong link's figure (n1-n4 direct is 80 ms).
+    # Read once, no retries: the estimates are robust to spikes and stalls (a stalled
+    # agent credits its own silence, a late burst of replies is rejected as a group).
+    # Measured RTTs cannot beat the emulated underlay; above it they carry wireguard-go's
+    # user-space hops and a shared machine's scheduling, which is sustained, not a spike
+    # (at load 20 on these 2 cores the 80 ms tunnel read 102.8 ms). Still far from the
+    # other link's figure: 34-40 ms relayed against 80 ms direct.
     want = underlay_rtt(mesh, to_n4["path"])
     hops = json.loads(meshopt("path", "--lab", name, "n1", "n4", "--json").stdout)["hops"]
-    assert want * 0.9 < to_n4["rtt_ms"] < want * 2 + 5, (to_n4, want, hops)
-    # One probe delayed by a VM stall (up to the 1 s timeout) lifts a 2 s-half-life
-    # smoothed RTT by ~100 ms for a few seconds (CI saw 184 ms once): only a figure of
-    # the wrong link (the 34-40 ms relayed path) is caught here.
-    assert 80 * 0.9 < to_n4["direct_rtt_ms"] < 80 * 5, to_n4
+    assert to_n4["rtt_ms"] is not None and to_n4["direct_rtt_ms"] is not None, (to_n4, hops)
+    assert want - 1.0 < to_n4["rtt_ms"] < want * 1.25 + 3.0, (to_n4, want, hops)
+    assert 80 - 1.0 < to_n4["direct_rtt_ms"] < 80 * 1.25 + 3.0, to_n4
     # every node's route to every other node is there, and named
     for node, table in data["nodes"].items():
         assert {r["dst"] for r in table["routes"]} == {"n1", "n2", "n3", "n4"} - {node}
@@ -161,16 +135,11 @@ def test_path_text_matches_the_kernel(mesh: LiveMesh) -> None:
         line = next(ln for ln in out.splitlines() if ln.startswith("path: "))
         return line.removeprefix("path: ").split(" via ")[0].split(" → ")
 
-    # A stall can have n1 declare its direct tunnel dead for a moment ("no measurement").
-    out = until_measured(
-        lambda: agreeing(mesh, read, shown), lambda o: "direct tunnel: RTT" in o, tries=10
-    )
+    out = agreeing(mesh, read, shown)
     relay = shown(out)[1]
-    assert f"via {relay}" in out and "direct tunnel: RTT" in out and "since " in out
-    data: dict[str, Any] = until_measured(
-        lambda: json.loads(meshopt("path", "--lab", name, "n1", "n4", "--json").stdout),
-        lambda d: d["direct_rtt_ms"] is not None and all(h["rtt_ms"] for h in d["hops"]),
-    )
+    assert f"via {relay}" in out and "direct tunnel: RTT" in out and "since " in out, out
+    data: dict[str, Any] = json.loads(meshopt("path", "--lab", name, "n1", "n4", "--json").stdout)
+    assert data["direct_rtt_ms"] is not None and all(h["rtt_ms"] for h in data["hops"]), data
     # What the nodes measure now: the gain may even be negative for a while (the controller
     # holds a route against noise), so only its arithmetic is checked here.
     assert len(data["hops"]) == 2 and all(h["rtt_ms"] > 0 for h in data["hops"]), data
