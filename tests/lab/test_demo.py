@@ -81,11 +81,16 @@ def test_demo_relays_the_bad_pairs_and_routes_around_changes(demo_tools: None) -
         assert q["achieved_ms"] is not None, q
         if len(q["path"]) > 2:
             assert q["achieved_ms"] <= q["direct_ms"] * 1.05 + 1.0, q
+    # Bounded by the issue's goals (degradation <= 3 s, failure <= 1 s). A relay's
+    # failure is the agents' own: dead after 0.8 s of silence (stalls credited), then a
+    # local fail-over to the backup next hop in milliseconds.
     deg = rep["degradation"]
     assert deg is not None and deg["reroute_s"] is not None, deg
+    assert deg["reroute_s"] <= 3.0, deg
     assert len(deg["better_path"]) == 3 and deg["better_ms"] < deg["direct_after_ms"]
     fail = rep["failure"]
     assert fail is not None and fail["outage_s"] is not None, fail
+    assert fail["outage_s"] <= 1.0, fail
     assert fail["reachable"] and all(fail["reachable"].values()), fail
     assert lab_named(name) == [], "the demo left its lab behind"
 
