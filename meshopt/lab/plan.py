@@ -146,6 +146,11 @@ def _overlay(topo: Topology) -> tuple[list[str], ipaddress.IPv4Network | ipaddre
         net: ipaddress.IPv4Network | ipaddress.IPv6Network = ipaddress.IPv4Network(
             (int(lo), prefix), strict=False
         )
+        # A node must not be the network's broadcast (or network) address: 10.98.0.1-3
+        # span 10.98.0.0/30, whose .3 the kernel takes for broadcast (ping refuses it).
+        while prefix > 0 and (net.broadcast_address in taken or net.network_address in taken):
+            prefix -= 1
+            net = ipaddress.IPv4Network((int(lo), prefix), strict=False)
     else:
         prefix = min(prefix, 120)
         net = ipaddress.IPv6Network((int(lo), prefix), strict=False)

@@ -123,6 +123,8 @@ RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and l
 SLACK_S = 0.001  # a timer that fires this early still counts as due
 # A timer this late means the prober itself was not running (a stalled process or VM);
 # busy-loop lateness below it is not worth a log line, and crediting it changes nothing.
+# The timer also fires at least this often, so at most this much of a stall (its start,
+# while the prober waited for its next timer) is not credited.
 STALL_TOLERANCE_S = 0.1
 GRID_S = 0.05  # slower peers' sends land on this grid: a few wake-ups carry many probes
 _SEQ_MOD = 2**32
@@ -168,11 +170,6 @@ class ProbeConfig:
     def rate(self) -> Rate:
         """Every peer's rate until :meth:`Prober.set_rates` says otherwise."""
         return Rate(IN_USE, self.interval_s, self.dead_after_s)
-
-
-def _phase(name: str) -> float:
-    """A fixed fraction 0..1 per name: where in its interval a slow peer is first probed."""
-    return zlib.crc32(name.encode()) / 2**32
 
 
 def min_unanswered(rate: Rate) -> int:
@@ -364,7 +361,10 @@ class Prober:
                 window = PeerWindow(
                     self.config.window, self.config.half_life_s, interval_s=self.config.interval_s
                 )
-                peer = _Peer(t, addr, window, now, rate, min_unanswered(rate))
+                # Each peer at its own phase of the interval: probes sent together queue
+                # behind each other (one wireguard-go, one responder) and read high.
+                first = now + self._phase(name) * min(rate.interval_s, 1.0)
+                peer = _Peer(t, addr, window, first, rate, min_unanswered(rate))
                 self._peers[name] = peer
                 self._push_send(peer)
         if self._sock is not None:
@@ -414,7 +414,7 @@ class Prober:
             # Never probed yet: first probe at a spread-out moment within one interval
             # (at most 1 s), so hundreds of new idle peers do not all go in one burst.
             if rate.interval_s > self.config.interval_s:
-                offset = _phase(peer.target.name) * min(rate.interval_s, 1.0)
+                offset = self._phase(peer.target.name) * min(rate.interval_s, 1.0)
                 peer.next_send = self._snap(peer, now + offset)
             else:
                 peer.next_send = min(peer.next_send, now)
@@ -423,6 +423,11 @@ class Prober:
         else:
             peer.next_send = self._snap(peer, peer.last_sent + rate.interval_s)
         self._push_send(peer)
+
+    def _phase(self, name: str) -> float:
+        """Where in its interval ``name`` is probed, in [0, 1): fixed per peer, and
+        different for each prober (so a node's peers do not all probe it at once)."""
+        return zlib.crc32(self.nonce + name.encode()) / 2**32
 
     def _snap(self, peer: _Peer, t: float) -> float:
         """Slow peers' sends on a shared grid (many probes per wake-up); fast ones as is."""
@@ -519,7 +524,7 @@ class Prober:
         self._timer = self._loop.call_later(delay, self._on_timer)
 
     def _next_wake(self, now: float) -> float:
-        wake = now + 1.0
+        wake = now + STALL_TOLERANCE_S  # often enough to tell a stall from an idle wait
         sends, deaths = self._sends, self._deaths
         while sends and (not self._current(sends[0][2]) or sends[0][2].next_send != sends[0][0]):
             heapq.heappop(sends)  # stale: dropped peer or moved send time
@@ -614,8 +619,8 @@ class Prober:
             self._send(peer)
             interval = peer.rate.interval_s
             peer.next_send += interval
-            if peer.next_send <= now:  # fell behind (a stalled loop): no burst
-                peer.next_send = now + interval
+            if peer.next_send <= now:  # fell behind (a stalled loop): no burst, same phase
+                peer.next_send += math.ceil((now - peer.next_send) / interval + 1e-9) * interval
             peer.next_send = self._snap(peer, peer.next_send)
             self._push_send(peer)
             self._push_death(peer)

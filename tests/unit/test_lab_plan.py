@@ -75,6 +75,22 @@ def test_assigned_and_partly_given_overlay_addresses() -> None:
 
 
 @pytest.mark.parametrize(
+    "addresses",
+    [["10.98.0.1", "10.98.0.2", "10.98.0.3"], ["10.5.0.0", "10.5.0.1"], ["10.7.0.4", "10.7.0.7"]],
+)
+def test_no_node_is_the_overlay_networks_broadcast_or_network_address(
+    addresses: list[str | None],
+) -> None:
+    """The smallest covering network of 10.98.0.1-3 is a /30 whose .3 is its broadcast
+    address: ping refused it ("Do you want to ping broadcast?") in bench_probe's lab."""
+    plan = make_plan(_topo(addresses), "l0000", "x")
+    net = ipaddress.ip_network(plan.overlay_net)
+    for n in plan.nodes:
+        ip = ipaddress.ip_address(n.overlay_ip)
+        assert ip in net and ip not in (net.broadcast_address, net.network_address), net
+
+
+@pytest.mark.parametrize(
     ("addresses", "layout", "match"),
     [
         (["10.0.0.1", "172.31.9.9"], "single", "overlaps the lab's underlay"),

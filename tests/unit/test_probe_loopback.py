@@ -187,10 +187,12 @@ def test_a_stalled_machine_is_not_a_dead_peer() -> None:
             assert before is not None
             for _ in range(3):
                 os.kill(proc.pid, signal.SIGSTOP)
-                # A probe goes out unanswered (3 a second), as one in flight on a real
-                # path would be, then the prober stops too. Silence before the stall is
-                # at most 0.33 + 0.34 s, short of dead_after_s (0.8 s).
-                await asyncio.sleep(0.34)
+                # A probe goes out unanswered, as one in flight on a real path would be,
+                # then the prober stops too. Silence before the stall: at most one
+                # interval (0.33 s) and the prober's timer period (0.1 s), short of
+                # dead_after_s (0.8 s).
+                sent = prober.counters["sent"]
+                await until(lambda: prober.counters["sent"] > sent)  # noqa: B023
                 time.sleep(1.5)  # blocks this loop: nothing is sent, read or judged
                 # The path wakes a little after the prober: on a real mesh the reply is
                 # still an RTT (and the peer's wireguard-go) away when the prober resumes.
