@@ -227,7 +227,7 @@ def test_without_a_budget_every_peer_is_probed_at_the_configured_rate(harness: H
         sends = harness.sends(name)
         # every 0.33 s from a phase of its own within the first interval
         assert start <= sends[0] < start + 0.34 and len(sends) in (9, 10)
-        assert {round(g, 6) for g in gaps(sends)} == {0.33}
+        assert all(abs(g - 0.33) <= 0.011 for g in gaps(sends)), gaps(sends)  # 0.01 s ticks
         assert harness.prober.rate(name) == Rate(IN_USE, 0.33, 0.8)
     # not together: probes sent at once queue behind each other and read high
     assert abs(harness.sends("a")[0] - harness.sends("b")[0]) > 0.01
@@ -271,8 +271,9 @@ def test_an_idle_peer_is_judged_against_its_own_interval(harness: Harness) -> No
     silent_from.update(fast=t0, idle=t0)
     harness.run(12.0)
     deaths = {n: t for n, alive, t in harness.events if not alive}
-    last_fast = max(t for t in harness.sends("fast") if t < t0)
-    last_idle = max(t for t in harness.sends("idle") if t < t0)
+    # the last answered probes: one sent in the tick at t0 was answered before the silence
+    last_fast = max(t for t in harness.sends("fast") if t <= t0)
+    last_idle = max(t for t in harness.sends("idle") if t <= t0)
     assert deaths["fast"] - last_fast == pytest.approx(0.8, abs=0.011)
     idle_dead = IDLE_2S.dead_after_s
     assert deaths["idle"] - last_idle == pytest.approx(idle_dead, abs=0.011)
