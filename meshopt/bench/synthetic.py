@@ -207,6 +207,10 @@ class SyntheticMesh:
                     tx_bytes=sent * 64,
                     rx_bps=round(rng.uniform(100.0, 400.0), 1),
                     tx_bps=round(rng.uniform(100.0, 400.0), 1),
+                    # The probe budget's classes: about a tenth of the links in use.
+                    probe_class="in_use" if j % 10 == 0 else "idle",
+                    probe_interval_s=0.33 if j % 10 == 0 else 2.0,
+                    probe_dead_after_s=0.8 if j % 10 == 0 else 4.848,
                 )
             )
         return out

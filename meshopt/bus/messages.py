@@ -128,6 +128,12 @@ class PeerReport(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     bandwidth_confidence: float | None = None
     bandwidth_age_s: float | None = None
     pmtu: int | None = None
+    # How the agent probes this peer now (meshopt.probe.budget): "in_use" (a next hop or
+    # backup of an installed route, or traffic: probed fast) or "idle" (probed slowly),
+    # the time between probes and the failure-detection time that class gets.
+    probe_class: Literal["in_use", "idle"] | None = None
+    probe_interval_s: float | None = None
+    probe_dead_after_s: float | None = None
 
 
 # -- the compact, columnar peer table (telemetry's wire form) --------------------------
@@ -149,6 +155,8 @@ KEY_BYTES: Final = 32
 NONE_U32: Final = 0xFFFFFFFF
 NONE_U16: Final = 0xFFFF
 ALIVE_UNKNOWN: Final = 2
+PROBE_NONE: Final = 0xFF  # probe column: this peer's probing not reported
+MAX_PROBE_RATES: Final = 16  # distinct (class, interval, dead time) in one table
 MAX_IFNAMES: Final = 255  # ifname indexes are one byte
 
 # Column name -> numpy dtype of its packed little-endian values (the wire format).
@@ -173,6 +181,7 @@ COLUMNS: Final[dict[str, str]] = {
     "bandwidth_confidence": "<u2",
     "bandwidth_age": "<f4",
     "pmtu": "<u2",
+    "probe": "u1",
 }
 # The same as stdlib array type codes (sizes checked at import).
 _CODES: Final[dict[str, str]] = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "<f4": "f"}
@@ -202,6 +211,18 @@ def _pack(code: str, values: Sequence[Any]) -> bytes:
     if _SWAP:
         a.byteswap()
     return a.tobytes()
+
+
+class ProbeRate(msgspec.Struct, array_like=True, frozen=True):
+    """One way of probing peers: class, time between probes, dead time (None: not
+    reported). A table lists the few distinct ones once; ``probe`` indexes them."""
+
+    cls: Literal["in_use", "idle"] | None = None
+    interval_s: float | None = None
+    dead_after_s: float | None = None
+
+
+_NO_RATE: Final = ProbeRate()
 
 
 class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -235,6 +256,8 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     bandwidth_confidence: bytes = b""
     bandwidth_age: bytes = b""
     pmtu: bytes = b""
+    probe_rates: list[ProbeRate] = msgspec.field(default_factory=list)
+    probe: bytes = b""
 
     def __len__(self) -> int:
         return len(self.keys) // KEY_BYTES
@@ -243,6 +266,17 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
         """Column ``name`` as raw wire values (quantised), or None when it is absent."""
         raw: bytes = getattr(self, name)
         return _unpack(name, raw) if raw else None
+
+    def _probe_rates(self) -> list[ProbeRate]:
+        """Each peer's ProbeRate (``_NO_RATE`` where not reported)."""
+        n = len(self)
+        rates = self.probe_rates
+        if not rates:
+            return [_NO_RATE] * n
+        idx = self.values("probe")
+        if idx is None:
+            return [rates[0]] * n
+        return [_NO_RATE if i == PROBE_NONE else rates[i] for i in idx]
 
     def key_list(self) -> list[str]:
         """The peers' keys in base64, the form every other part of meshopt uses."""
@@ -277,6 +311,7 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
         names = self.ifnames
         alive = self.values("alive")
         pmtu = self.values("pmtu")
+        probe_of = self._probe_rates()
         fields: dict[str, list[Any]] = {
             "public_key": self.key_list(),
             "ifname": [names[0]] * n if ifn is None else [names[i] for i in ifn],
@@ -297,6 +332,9 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
             "bandwidth_confidence": scaled("bandwidth_confidence", RATIO_UNIT, NONE_U16, 4),
             "bandwidth_age_s": opt("bandwidth_age"),
             "pmtu": none_n if pmtu is None else [v or None for v in pmtu],
+            "probe_class": [r.cls for r in probe_of],
+            "probe_interval_s": [r.interval_s for r in probe_of],
+            "probe_dead_after_s": [r.dead_after_s for r in probe_of],
         }
         names_ = list(fields)
         return [
@@ -319,6 +357,31 @@ def _pack_float(values: Sequence[float | None], default: float | None = None) ->
 
 def _pack_int(values: Sequence[int], code: str) -> bytes:
     return _pack(code, values) if any(values) else b""
+
+
+def _probe_columns(peers: Sequence[PeerReport]) -> dict[str, Any]:
+    """``probe_rates`` (the distinct ways peers are probed: two or three with the budget)
+    and ``probe``, each peer's index into it: one byte a peer."""
+    rates: list[ProbeRate] = []
+    index: dict[ProbeRate, int] = {}
+    col: list[int] = []
+    for p in peers:
+        r = ProbeRate(p.probe_class, p.probe_interval_s, p.probe_dead_after_s)
+        if r == _NO_RATE:
+            col.append(PROBE_NONE)
+            continue
+        i = index.get(r)
+        if i is None:
+            if len(rates) >= MAX_PROBE_RATES:
+                raise _bad("bad_value", f"peers probed in more than {MAX_PROBE_RATES} ways")
+            i = index[r] = len(rates)
+            rates.append(r)
+        col.append(i)
+    if not rates:
+        return {}
+    if all(i == 0 for i in col):
+        return {"probe_rates": rates}
+    return {"probe_rates": rates, "probe": _pack("B", col)}
 
 
 def peer_table(peers: Sequence[PeerReport]) -> PeerTable:
@@ -368,6 +431,7 @@ def peer_table(peers: Sequence[PeerReport]) -> PeerTable:
             ),
             "bandwidth_age": _pack_float([p.bandwidth_age_s for p in peers]),
             "pmtu": _pack_int([p.pmtu or 0 for p in peers], "H"),
+            **_probe_columns(peers),
         }
         for col, fld in DELAY_COLUMNS.items():
             cols[col] = _pack_opt([getattr(p, fld) for p in peers], DELAY_UNIT_MS, NONE_U32, "I")
@@ -421,6 +485,16 @@ def _check_table(t: PeerTable) -> None:
     pm = cols.get("pmtu")
     if pm is not None and pm and min(filter(None, pm), default=68) < 68:
         raise _bad("bad_value", "table.pmtu: a path MTU below 68")
+    _count(t.probe_rates, "table.probe_rates", MAX_PROBE_RATES)
+    for i, r in enumerate(t.probe_rates):
+        _probe_class(r.cls, f"table.probe_rates[{i}].cls")
+        _num(r.interval_s, f"table.probe_rates[{i}].interval_s", MIN_PROBE_S, MAX_PROBE_S)
+        _num(r.dead_after_s, f"table.probe_rates[{i}].dead_after_s", MIN_PROBE_S, MAX_PROBE_S)
+    pr = cols.get("probe")
+    if pr is not None and pr:
+        top = max(filter(PROBE_NONE.__ne__, pr), default=0)
+        if top >= max(len(t.probe_rates), 1):
+            raise _bad("bad_value", f"table.probe: {top} ({len(t.probe_rates)} probe_rates)")
     for name, hi, nan_ok in (
         ("rx_bps", MAX_PEER_RATE_BPS, False),
         ("tx_bps", MAX_PEER_RATE_BPS, False),
@@ -688,6 +762,14 @@ MAX_PEER_BANDWIDTH_MBIT: Final = 1e9  # 1 Pbit/s
 MAX_PEER_RATE_BPS: Final = 1e13  # 10 Tbit/s
 MAX_PEER_AGE_S: Final = 10 * 366 * 86400.0  # ten years
 MAX_FULL_INTERVAL_S: Final = 86400.0
+MAX_PROBE_S: Final = 3600.0  # a probe interval or dead time (the budget's are <= 25 s)
+MIN_PROBE_S: Final = 0.001
+
+
+def _probe_class(value: str | None, field: str) -> None:
+    # msgspec checks the Literal on decode; this catches what Python code built.
+    if value not in (None, "in_use", "idle"):
+        raise _bad("bad_value", f"{field} is not a probe class")
 
 
 def _check_peer(p: PeerReport, i: int) -> None:
@@ -708,6 +790,10 @@ def _check_peer(p: PeerReport, i: int) -> None:
     _num(p.bandwidth_mbit, f + ".bandwidth_mbit", hi=MAX_PEER_BANDWIDTH_MBIT)
     _num(p.bandwidth_confidence, f + ".bandwidth_confidence", 0.0, 1.0)
     _int(p.pmtu, f + ".pmtu", 68, 65535)
+    _probe_class(p.probe_class, f + ".probe_class")
+    for name in ("probe_interval_s", "probe_dead_after_s"):
+        value = getattr(p, name)
+        _num(value, f"{f}.{name}", MIN_PROBE_S, MAX_PROBE_S)
 
 
 def _check_route(r: Route, i: int) -> None:
