@@ -36,7 +36,9 @@ readable for tools and tests.
 
 PeerReport and Route leave fields at their default out of the JSON (they repeat up to
 4096 times): a signed route set for a 1,000-node mesh, every route with a backup, is
-~177 KB, inside the 256 KiB limit (pass ``max_bytes`` for larger meshes).
+~177 KB. A route set whose JSON would not fit the 256 KiB limit goes out packed
+(:class:`PackedRouteSet`, MessagePack, v2): 175 kB signed for 2,000 destinations with a
+fast and a bulk route each. Decoders return the same RouteSet for both.
 
 Units: times are unix seconds (float), durations ``*_s``, RTTs ``*_ms``, rates ``*_bps``
 (bytes per second of WireGuard counters) and ``bandwidth_mbit`` (Mbit/s). ``None`` means
@@ -70,7 +72,9 @@ from meshopt.wireguard.keys import check_key, key_to_bytes
 SCHEMA_VERSION: Final = 1
 MAX_PAYLOAD_BYTES: Final = 256 * 1024
 MAX_PEERS: Final = 4096
-MAX_ROUTES: Final = 4096
+MAX_ROUTES: Final = 8192  # a fast and a bulk route to each of MAX_PEERS destinations
+# Route sets whose JSON would not fit go out packed (see PackedRouteSet), as v2.
+PACKED_ROUTES_VERSION: Final = 2
 MAX_ADDRESSES: Final = 256
 MAX_COUNTERS: Final = 256
 MAX_TEXT: Final = 256
@@ -628,6 +632,167 @@ class RouteSet(msgspec.Struct, kw_only=True, frozen=True):
     routes: list[Route] = msgspec.field(default_factory=list)
 
 
+class Tuning(msgspec.Struct, array_like=True, frozen=True):
+    """A bulk route's TCP settings (None: unset), listed once per distinct set."""
+
+    mtu: int | None = None
+    advmss: int | None = None
+    initcwnd: int | None = None
+    initrwnd: int | None = None
+    window: int | None = None
+    congctl: str | None = None
+
+
+class PackedRoutes(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A route set's routes, one column per field (the wire form of large sets).
+
+    What repeats is listed once and indexed per route (little-endian u16): ``keys``
+    (the peers the routes name, raw 32-byte WireGuard keys back to back) by ``via`` and
+    ``backup`` (0xFFFF: none; no column: no backups), ``prefixes`` by ``dst`` (a
+    destination has a fast and a bulk route), ``tunings`` (the bulk TCP settings) by
+    ``tuning`` (0xFFFF: none; no column: none anywhere). ``table``: u8 per route, 0
+    fast, 1 bulk (no column: all fast). About 9 bytes a route plus 32 a peer.
+    """
+
+    keys: bytes
+    prefixes: list[str]
+    dst: bytes
+    via: bytes
+    backup: bytes = b""
+    table: bytes = b""
+    tunings: list[Tuning] = msgspec.field(default_factory=list)
+    tuning: bytes = b""
+
+
+class PackedRouteSet(msgspec.Struct, kw_only=True, frozen=True):
+    """A RouteSet in its packed wire form: MessagePack, ``v`` = PACKED_ROUTES_VERSION, so
+    an agent from before it refuses the set (bad_version: it keeps its routes) instead
+    of reading an empty route list. :func:`encode` picks it only when the JSON form
+    would not fit MAX_PAYLOAD_BYTES signed (about 1,400 destinations with bulk routes,
+    fewer with their TCP settings); :func:`decode` gives the same RouteSet either way."""
+
+    v: int = PACKED_ROUTES_VERSION
+    mesh: str
+    node: str
+    version: int
+    issued_at: float
+    controller: str
+    term: int
+    packed: PackedRoutes
+
+
+_NONE_U16: Final = 0xFFFF
+_TABLES: Final[tuple[Literal["fast", "bulk"], ...]] = ("fast", "bulk")
+_NO_TUNING: Final = Tuning()
+
+
+def _interned(values: Sequence[Any], seen: dict[Any, int], out: list[Any]) -> list[int]:
+    """Each value's index in ``out``, appending the new ones."""
+    idx = []
+    for v in values:
+        i = seen.get(v)
+        if i is None:
+            i = seen[v] = len(out)
+            out.append(v)
+        idx.append(i)
+    return idx
+
+
+def pack_routes(rs: RouteSet) -> PackedRouteSet:
+    """The packed form of ``rs`` (routes in the same order)."""
+    routes = rs.routes
+    peers: list[str] = []
+    seen: dict[Any, int] = {}
+    via = _interned([r.via for r in routes], seen, peers)
+    backup = [
+        _NONE_U16 if r.backup is None else _interned([r.backup], seen, peers)[0] for r in routes
+    ]
+    prefixes: list[str] = []
+    dst = _interned([r.dst for r in routes], {}, prefixes)
+    tunings: list[Tuning] = []
+    t_seen: dict[Any, int] = {_NO_TUNING: _NONE_U16}
+    tuning = _interned(
+        [Tuning(r.mtu, r.advmss, r.initcwnd, r.initrwnd, r.window, r.congctl) for r in routes],
+        t_seen,
+        tunings,
+    )
+    if max(len(peers), len(prefixes), len(tunings)) >= _NONE_U16:
+        raise _bad("bad_value", "a route set too large to pack")
+    try:
+        keys = b"".join(key_to_bytes(k) for k in peers)
+    except KeyFormatError:
+        raise _bad("bad_key", "a route's peer is not a base64 WireGuard key") from None
+    cols: dict[str, Any] = {
+        "keys": keys,
+        "prefixes": prefixes,
+        "dst": _pack("H", dst),
+        "via": _pack("H", via),
+        "backup": b"" if all(b == _NONE_U16 for b in backup) else _pack("H", backup),
+        "table": _pack_int([_TABLES.index(r.table) for r in routes], "B"),
+        "tunings": tunings,
+        "tuning": _pack("H", tuning) if tunings else b"",
+    }
+    return PackedRouteSet(
+        mesh=rs.mesh, node=rs.node, version=rs.version, issued_at=rs.issued_at,
+        controller=rs.controller, term=rs.term, packed=PackedRoutes(**cols),
+    )  # fmt: skip
+
+
+def unpack_routes(p: PackedRouteSet) -> RouteSet:
+    """The RouteSet a packed one carries; BusMessageError unless its columns fit together
+    (the routes are then checked like any set's, by :func:`validate`)."""
+    t = p.packed
+    n = len(t.dst) // 2
+    if n > MAX_ROUTES:
+        raise _bad("bad_value", f"routes: {n} entries (at most {MAX_ROUTES})")
+    if len(t.keys) % KEY_BYTES:
+        raise _bad("bad_value", f"packed.keys: {len(t.keys)} bytes, not whole keys")
+    _count(t.prefixes, "packed.prefixes", MAX_ROUTES)
+    _count(t.tunings, "packed.tunings", MAX_ROUTES)
+    keys = [
+        base64.b64encode(t.keys[i : i + KEY_BYTES]).decode("ascii")
+        for i in range(0, len(t.keys), KEY_BYTES)
+    ]
+    _count(keys, "packed.keys", MAX_ROUTES)
+
+    def column(name: str, code: str, size: int, hi: int, none: int | None) -> list[int] | None:
+        raw: bytes = getattr(t, name)
+        if not raw and name not in ("dst", "via"):
+            return None
+        if len(raw) != n * size:
+            raise _bad("bad_value", f"packed.{name}: {len(raw)} bytes for {n} routes")
+        a: array[Any] = array(code)
+        a.frombytes(raw)
+        if _SWAP:
+            a.byteswap()
+        top = max(filter(none.__ne__, a), default=0) if none is not None else max(a, default=0)
+        if n and top > hi:
+            raise _bad("bad_value", f"packed.{name}: index {top} (at most {hi})")
+        return a.tolist()
+
+    dst = column("dst", "H", 2, len(t.prefixes) - 1, None)
+    via = column("via", "H", 2, len(keys) - 1, None)
+    backup = column("backup", "H", 2, len(keys) - 1, _NONE_U16)
+    table = column("table", "B", 1, len(_TABLES) - 1, None)
+    tuning = column("tuning", "H", 2, len(t.tunings) - 1, _NONE_U16)
+    assert dst is not None and via is not None
+    tunings = [msgspec.structs.asdict(x) for x in t.tunings]
+    routes = [
+        Route(
+            dst=t.prefixes[dst[i]],
+            via=keys[via[i]],
+            backup=None if backup is None or backup[i] == _NONE_U16 else keys[backup[i]],
+            table=_TABLES[table[i]] if table is not None else "fast",
+            **({} if tuning is None or tuning[i] == _NONE_U16 else tunings[tuning[i]]),
+        )
+        for i in range(n)
+    ]
+    return RouteSet(
+        mesh=p.mesh, node=p.node, version=p.version, issued_at=p.issued_at,
+        controller=p.controller, term=p.term, routes=routes,
+    )  # fmt: skip
+
+
 SignedKind = Literal["telemetry", "status", "routes", "lease", "controller_status"]
 SIGNED_KINDS: Final[tuple[str, ...]] = (
     "telemetry",
@@ -799,6 +964,8 @@ def _check_peer(p: PeerReport, i: int) -> None:
 def _check_route(r: Route, i: int) -> None:
     f = f"routes[{i}]"
     _prefix(r.dst, f + ".dst")
+    if r.table not in _TABLES:
+        raise _bad("bad_value", f"{f}.table is not fast or bulk")
     _key(r.via, f + ".via")
     if r.backup is not None:
         _key(r.backup, f + ".backup")
@@ -895,6 +1062,7 @@ _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 _mp_encoder = msgspec.msgpack.Encoder()
 _mp_envelope = msgspec.msgpack.Decoder(_Envelope)
 _mp_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
+_packed_route_set = msgspec.msgpack.Decoder(PackedRouteSet)
 
 
 def is_msgpack(data: bytes | bytearray | memoryview) -> bool:
@@ -927,7 +1095,16 @@ def encode(msg: Message) -> bytes:
     validate(msg)
     if isinstance(msg, Telemetry) and msg.table is not None:
         return _mp_encoder.encode(msg)
-    return _encoder.encode(msg)
+    data = _encoder.encode(msg)
+    if isinstance(msg, RouteSet) and _signed_size(len(data)) > MAX_PAYLOAD_BYTES:
+        # Too large as JSON (about 1,400 destinations with bulk routes): packed.
+        return _mp_encoder.encode(pack_routes(msg))
+    return data
+
+
+def _signed_size(payload: int) -> int:
+    """About how large a Signed envelope around ``payload`` bytes is (base64, fields)."""
+    return 4 * ((payload + 2) // 3) + 512
 
 
 def decode(data: bytes, kind: type[M], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> M:
@@ -956,6 +1133,16 @@ def _decode(data: bytes | bytearray | memoryview, kind: type[M]) -> M:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # msgspec's MessagePack reader raises UnicodeDecodeError for a broken string.
         raise _bad("bad_json", str(exc)[:200]) from None
+    if env.v == PACKED_ROUTES_VERSION and kind is RouteSet and packed:
+        try:
+            p = _packed_route_set.decode(data)
+        except msgspec.ValidationError as exc:
+            raise _schema_or_json(data, exc) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise _bad("bad_json", str(exc)[:200]) from None
+        rs: M = unpack_routes(p)  # type: ignore[assignment]
+        validate(rs)
+        return rs
     if env.v != SCHEMA_VERSION:
         raise _bad("bad_version", f"v={env.v}, this side speaks {SCHEMA_VERSION}")
     decoder: msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]
