@@ -55,6 +55,7 @@ from typing import Any, Final, Literal
 
 from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.core import AgentCore, RouteState
+from meshopt.agent.daemon import AGENT_KEEPALIVE_S
 from meshopt.agent.telemetry import Cadence, Plan, full_interval, signed_telemetry
 from meshopt.bus.client import BrokerSettings, BusClient
 from meshopt.bus.messages import MAX_PAYLOAD_BYTES, PeerReport, RouteSet
@@ -458,6 +459,7 @@ class SyntheticAgent:
         self.node = node
         self.tcfg = TelemetrySettings(full_interval_s=self.full_interval_s)
         self.cadence = Cadence()
+        self._sent_factor: dict[int, float] = {}  # ``factor`` as of the last report sent
         self._phased = False
         self.topics = Topics(MESH)
         self.core = AgentCore(
@@ -471,6 +473,7 @@ class SyntheticAgent:
             on_connect=self._on_connect,
             backoff_min_s=0.5,
             backoff_max_s=5.0,
+            keepalive_s=AGENT_KEEPALIVE_S,  # the agent daemon's, not the bus default
         )
         self.task: asyncio.Task[None] | None = None
         self.snap_task: asyncio.Task[None] | None = None
@@ -504,7 +507,24 @@ class SyntheticAgent:
         self.watch, self.fixed_at = (since, test), None
 
     def plan(self, *, full: bool = False) -> Plan | None:
-        """What the agent's cadence sends now (``full``: a snapshot whatever is due)."""
+        """What the agent's cadence sends now (``full``: a snapshot whatever is due).
+
+        Values move only when a change is injected (``factor``); the 1 % noise never
+        crosses the change thresholds. So while no snapshot is due and nothing was
+        injected since the last send, the cadence can only answer a heartbeat or nothing,
+        and that answer is given without building the 999 peer reports it would compare:
+        at N = 1000 building them for every heartbeat took the whole generator.
+        """
+        now = time.monotonic()
+        interval = full_interval(self.mesh.n - 1, self.tcfg)
+        if (
+            not full
+            and self.factor == self._sent_factor
+            and self.cadence.last_published
+            and now - self.cadence.last_full < interval
+        ):
+            beat = self.tcfg.full_interval_s - self.tcfg.check_interval_s / 2
+            return Plan(False, [], interval) if now - self.cadence.last_sent >= beat else None
         self.snapshots += 1
         peers = self.mesh.reports(
             self.index, self.rng, profile=self.profile, factor=self.factor, sent=self.snapshots
@@ -536,6 +556,8 @@ class SyntheticAgent:
         )
         if ok:
             self.cadence.sent(plan, now)
+            if plan.full or plan.peers:
+                self._sent_factor = dict(self.factor)
             if plan.full:
                 self.fulls += 1
                 if not self._phased:
@@ -558,6 +580,12 @@ class SyntheticAgent:
             # next check is when the cadence says something falls due; a real agent gets
             # there by checking every second.
             due = self.cadence.next_due(peers, self.tcfg) - time.monotonic()
+            if due <= 0.0:
+                # Still due right after a check: the publish failed (or the session is
+                # down). Retry at the next check, as the agent does. Retrying at once
+                # had each agent rebuild a 1000-peer snapshot every 50 ms, and at
+                # N = 1000 the generator collapsed (every session timed out).
+                due = self.tcfg.check_interval_s
             await asyncio.sleep(min(max(due, 0.05), self.full_interval_s))
 
     def start(self) -> None:
