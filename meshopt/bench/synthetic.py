@@ -1017,6 +1017,42 @@ def _controller_problems(stack: Stack) -> list[str]:
     return [x[-300:] for x in keep[-8:]]
 
 
+def generator_check_cost(mesh: SyntheticMesh, rounds: int = 20) -> dict[str, Any]:
+    """CPU of one synthetic agent's cadence check when only a heartbeat is due (what
+    the load generator spends per agent every ``full_interval_s``): as it runs now
+    (no reports built while nothing was injected), and building every peer's report as
+    the generator did before (``built_ms``), medians of ``rounds``; and the share of a
+    core that is for all N agents."""
+    from meshopt.bus.signing import generate_signing_key
+
+    ctl = public_key_b64(generate_signing_key()[0])
+    ag = SyntheticAgent(mesh, 0, BrokerSettings(), ctl, rng=random.Random(mesh.seed))
+    first = ag.plan(full=True)
+    assert first is not None
+    ag.cadence.sent(first, time.monotonic())
+    ag._sent_factor = dict(ag.factor)
+    ag.cadence.last_full = time.monotonic() + 3600.0  # a snapshot is not due
+
+    def check(build: bool) -> float:
+        ag.cadence.last_sent = -math.inf  # the heartbeat is due
+        ag._sent_factor = {-1: 0.0} if build else dict(ag.factor)
+        t0 = time.process_time()
+        plan = ag.plan()
+        spent = time.process_time() - t0
+        assert plan is not None and not plan.full and not plan.peers
+        return spent
+
+    now_s = statistics.median(check(False) for _ in range(rounds))
+    built_s = statistics.median(check(True) for _ in range(rounds))
+    per_s = mesh.n / FULL_INTERVAL_S  # heartbeat checks per second, all agents
+    return {
+        "check_ms": round(1e3 * now_s, 4),
+        "built_ms": round(1e3 * built_s, 3),
+        "core_share_pct": round(100 * now_s * per_s, 3),
+        "core_share_pct_built": round(100 * built_s * per_s, 1),
+    }
+
+
 def ingest_cost(mesh: SyntheticMesh, profile: Profile = "agent", rounds: int = 2) -> dict[str, Any]:
     """CPU of the controller's own code (ControllerCore.on_message) per message, in this
     process, signatures checked: full snapshots (every node's, ``rounds`` times), change

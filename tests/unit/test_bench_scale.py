@@ -236,3 +236,11 @@ def test_synthetic_heartbeats_do_not_rebuild_every_peer_report() -> None:
     ag.cadence.last_sent = -1e9
     again = ag.plan()
     assert again is not None and again.peers == [] and ag.snapshots == 2
+
+
+def test_generator_check_cost_reports_both_ways() -> None:
+    from meshopt.bench.synthetic import generator_check_cost
+
+    cost = generator_check_cost(SyntheticMesh(30, seed=1), rounds=3)
+    assert cost["check_ms"] < cost["built_ms"]  # the heartbeat builds nothing now
+    assert cost["core_share_pct"] <= cost["core_share_pct_built"]
