@@ -69,6 +69,11 @@ class Hop:
     src: str
     dst: str
     rtt_ms: float | None  # as measured by src (by dst if src has no figure); None: unknown
+    # How src probes the tunnel to dst (its telemetry; None: not reported): "in_use" or
+    # "idle", the time between probes and after how long without a reply it is dead.
+    probe_class: str | None = None
+    probe_interval_s: float | None = None
+    probe_dead_after_s: float | None = None
 
 
 @dataclass
@@ -178,6 +183,18 @@ class LiveView:
             return None
         return p.rtt_ms if p.rtt_ms is not None else p.rtt_median_ms
 
+    def hop(self, src: str, dst: str) -> Hop:
+        """The tunnel src -> dst: its RTT and how src probes it."""
+        p = self._peer(src, dst)
+        return Hop(
+            src,
+            dst,
+            self.hop_rtt(src, dst),
+            probe_class=None if p is None else p.probe_class,
+            probe_interval_s=None if p is None else p.probe_interval_s,
+            probe_dead_after_s=None if p is None else p.probe_dead_after_s,
+        )
+
     def hop_rtt(self, src: str, dst: str) -> float | None:
         rtt = self.measured_rtt(src, dst)
         return rtt if rtt is not None else self.measured_rtt(dst, src)
@@ -217,7 +234,7 @@ class LiveView:
                 break
             assert nxt is not None
             nodes.append(nxt)
-        hops = [Hop(a, b, self.hop_rtt(a, b)) for a, b in itertools.pairwise(nodes)]
+        hops = [self.hop(a, b) for a, b in itertools.pairwise(nodes)]
         if problem:
             hops.append(Hop(nodes[-1], UNREACHABLE, None))
         issued = [self.route_sets[n].issued_at for n in nodes[:-1] if n in self.route_sets]

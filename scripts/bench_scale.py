@@ -53,7 +53,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshopt.bench import synthetic
-from meshopt.bench.synthetic import BenchError, RunSettings, SyntheticMesh, ingest_cost, run_once
+from meshopt.bench.synthetic import (
+    BenchError,
+    RunSettings,
+    SyntheticMesh,
+    generator_check_cost,
+    ingest_cost,
+    run_once,
+)
 from meshopt.errors import MeshoptError
 
 # figure -> (where in a run's JSON, goal at 250, goal at 1000); None: no goal.
@@ -341,7 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.ingest_only:
                 mesh = SyntheticMesh(n, args.seed)
                 cost = [ingest_cost(mesh, args.profile) for _ in range(args.runs)]
-                result["sizes"][str(n)] = {"ingest": _ingest_medians(cost), "ingest_runs": cost}
+                result["sizes"][str(n)] = {
+                    "ingest": _ingest_medians(cost),
+                    "ingest_runs": cost,
+                    "generator_heartbeat_check": generator_check_cost(mesh),
+                }
                 continue
             for i in range(args.runs):
                 print(f"# n={n} run {i + 1}/{args.runs}", file=sys.stderr, flush=True)

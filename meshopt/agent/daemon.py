@@ -662,6 +662,7 @@ class Agent:
                 self.capacity.get(k),
                 now,
                 self.pmtu.get(k),
+                self.prober.rate(k),
             )
             for k, p in self.tracker.peers.items()
         }

@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.peers import PeerInfo
 from meshopt.bus.messages import PeerReport, Telemetry, peer_table
 from meshopt.bus.signing import sign
+from meshopt.probe.budget import IDLE, IN_USE, Rate
 from meshopt.probe.stats import ProbeStats
 
 if TYPE_CHECKING:
@@ -50,7 +51,9 @@ def peer_report(
     capacity: Capacity | None,
     now: float,
     pmtu: int | None = None,
+    rate: Rate | None = None,
 ) -> PeerReport:
+    """One peer's report; ``rate`` is how the prober probes it now (its budget class)."""
     return PeerReport(
         public_key=peer.public_key,
         ifname=peer.ifname,
@@ -74,7 +77,18 @@ def peer_report(
         bandwidth_confidence=capacity.confidence if capacity else None,
         bandwidth_age_s=max(0.0, now - capacity.measured_at) if capacity else None,
         pmtu=pmtu,
+        probe_class=_probe_class(rate),
+        probe_interval_s=rate.interval_s if rate else None,
+        probe_dead_after_s=rate.dead_after_s if rate else None,
     )
+
+
+def _probe_class(rate: Rate | None) -> Literal["in_use", "idle"] | None:
+    if rate is None:
+        return None
+    if rate.cls == IN_USE:
+        return "in_use"
+    return "idle" if rate.cls == IDLE else None
 
 
 def peer_changed(o: PeerReport, n: PeerReport, cfg: TelemetrySettings) -> bool:

@@ -55,6 +55,7 @@ from typing import Any, Final, Literal
 
 from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.core import AgentCore, RouteState
+from meshopt.agent.daemon import AGENT_KEEPALIVE_S
 from meshopt.agent.telemetry import Cadence, Plan, full_interval, signed_telemetry
 from meshopt.bus.client import BrokerSettings, BusClient
 from meshopt.bus.messages import MAX_PAYLOAD_BYTES, PeerReport, RouteSet
@@ -207,6 +208,10 @@ class SyntheticMesh:
                     tx_bytes=sent * 64,
                     rx_bps=round(rng.uniform(100.0, 400.0), 1),
                     tx_bps=round(rng.uniform(100.0, 400.0), 1),
+                    # The probe budget's classes: about a tenth of the links in use.
+                    probe_class="in_use" if j % 10 == 0 else "idle",
+                    probe_interval_s=0.33 if j % 10 == 0 else 2.0,
+                    probe_dead_after_s=0.8 if j % 10 == 0 else 4.848,
                 )
             )
         return out
@@ -454,6 +459,7 @@ class SyntheticAgent:
         self.node = node
         self.tcfg = TelemetrySettings(full_interval_s=self.full_interval_s)
         self.cadence = Cadence()
+        self._sent_factor: dict[int, float] = {}  # ``factor`` as of the last report sent
         self._phased = False
         self.topics = Topics(MESH)
         self.core = AgentCore(
@@ -467,6 +473,7 @@ class SyntheticAgent:
             on_connect=self._on_connect,
             backoff_min_s=0.5,
             backoff_max_s=5.0,
+            keepalive_s=AGENT_KEEPALIVE_S,  # the agent daemon's, not the bus default
         )
         self.task: asyncio.Task[None] | None = None
         self.snap_task: asyncio.Task[None] | None = None
@@ -500,7 +507,24 @@ class SyntheticAgent:
         self.watch, self.fixed_at = (since, test), None
 
     def plan(self, *, full: bool = False) -> Plan | None:
-        """What the agent's cadence sends now (``full``: a snapshot whatever is due)."""
+        """What the agent's cadence sends now (``full``: a snapshot whatever is due).
+
+        Values move only when a change is injected (``factor``); the 1 % noise never
+        crosses the change thresholds. So while no snapshot is due and nothing was
+        injected since the last send, the cadence can only answer a heartbeat or nothing,
+        and that answer is given without building the 999 peer reports it would compare:
+        at N = 1000 building them for every heartbeat took the whole generator.
+        """
+        now = time.monotonic()
+        interval = full_interval(self.mesh.n - 1, self.tcfg)
+        if (
+            not full
+            and self.factor == self._sent_factor
+            and self.cadence.last_published
+            and now - self.cadence.last_full < interval
+        ):
+            beat = self.tcfg.full_interval_s - self.tcfg.check_interval_s / 2
+            return Plan(False, [], interval) if now - self.cadence.last_sent >= beat else None
         self.snapshots += 1
         peers = self.mesh.reports(
             self.index, self.rng, profile=self.profile, factor=self.factor, sent=self.snapshots
@@ -532,6 +556,8 @@ class SyntheticAgent:
         )
         if ok:
             self.cadence.sent(plan, now)
+            if plan.full or plan.peers:
+                self._sent_factor = dict(self.factor)
             if plan.full:
                 self.fulls += 1
                 if not self._phased:
@@ -554,6 +580,12 @@ class SyntheticAgent:
             # next check is when the cadence says something falls due; a real agent gets
             # there by checking every second.
             due = self.cadence.next_due(peers, self.tcfg) - time.monotonic()
+            if due <= 0.0:
+                # Still due right after a check: the publish failed (or the session is
+                # down). Retry at the next check, as the agent does. Retrying at once
+                # had each agent rebuild a 1000-peer snapshot every 50 ms, and at
+                # N = 1000 the generator collapsed (every session timed out).
+                due = self.tcfg.check_interval_s
             await asyncio.sleep(min(max(due, 0.05), self.full_interval_s))
 
     def start(self) -> None:
@@ -983,6 +1015,42 @@ def _controller_problems(stack: Stack) -> list[str]:
         return []
     keep = [x for x in lines if "WARNING" in x or "Traceback" in x or "ERROR" in x]
     return [x[-300:] for x in keep[-8:]]
+
+
+def generator_check_cost(mesh: SyntheticMesh, rounds: int = 20) -> dict[str, Any]:
+    """CPU of one synthetic agent's cadence check when only a heartbeat is due (what
+    the load generator spends per agent every ``full_interval_s``): as it runs now
+    (no reports built while nothing was injected), and building every peer's report as
+    the generator did before (``built_ms``), medians of ``rounds``; and the share of a
+    core that is for all N agents."""
+    from meshopt.bus.signing import generate_signing_key
+
+    ctl = public_key_b64(generate_signing_key()[0])
+    ag = SyntheticAgent(mesh, 0, BrokerSettings(), ctl, rng=random.Random(mesh.seed))
+    first = ag.plan(full=True)
+    assert first is not None
+    ag.cadence.sent(first, time.monotonic())
+    ag._sent_factor = dict(ag.factor)
+    ag.cadence.last_full = time.monotonic() + 3600.0  # a snapshot is not due
+
+    def check(build: bool) -> float:
+        ag.cadence.last_sent = -math.inf  # the heartbeat is due
+        ag._sent_factor = {-1: 0.0} if build else dict(ag.factor)
+        t0 = time.process_time()
+        plan = ag.plan()
+        spent = time.process_time() - t0
+        assert plan is not None and not plan.full and not plan.peers
+        return spent
+
+    now_s = statistics.median(check(False) for _ in range(rounds))
+    built_s = statistics.median(check(True) for _ in range(rounds))
+    per_s = mesh.n / FULL_INTERVAL_S  # heartbeat checks per second, all agents
+    return {
+        "check_ms": round(1e3 * now_s, 4),
+        "built_ms": round(1e3 * built_s, 3),
+        "core_share_pct": round(100 * now_s * per_s, 3),
+        "core_share_pct_built": round(100 * built_s * per_s, 1),
+    }
 
 
 def ingest_cost(mesh: SyntheticMesh, profile: Profile = "agent", rounds: int = 2) -> dict[str, Any]:

@@ -36,7 +36,9 @@ readable for tools and tests.
 
 PeerReport and Route leave fields at their default out of the JSON (they repeat up to
 4096 times): a signed route set for a 1,000-node mesh, every route with a backup, is
-~177 KB, inside the 256 KiB limit (pass ``max_bytes`` for larger meshes).
+~177 KB. A route set whose JSON would not fit the 256 KiB limit goes out packed
+(:class:`PackedRouteSet`, MessagePack, v2): 175 kB signed for 2,000 destinations with a
+fast and a bulk route each. Decoders return the same RouteSet for both.
 
 Units: times are unix seconds (float), durations ``*_s``, RTTs ``*_ms``, rates ``*_bps``
 (bytes per second of WireGuard counters) and ``bandwidth_mbit`` (Mbit/s). ``None`` means
@@ -70,7 +72,9 @@ from meshopt.wireguard.keys import check_key, key_to_bytes
 SCHEMA_VERSION: Final = 1
 MAX_PAYLOAD_BYTES: Final = 256 * 1024
 MAX_PEERS: Final = 4096
-MAX_ROUTES: Final = 4096
+MAX_ROUTES: Final = 8192  # a fast and a bulk route to each of MAX_PEERS destinations
+# Route sets whose JSON would not fit go out packed (see PackedRouteSet), as v2.
+PACKED_ROUTES_VERSION: Final = 2
 MAX_ADDRESSES: Final = 256
 MAX_COUNTERS: Final = 256
 MAX_TEXT: Final = 256
@@ -128,6 +132,12 @@ class PeerReport(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     bandwidth_confidence: float | None = None
     bandwidth_age_s: float | None = None
     pmtu: int | None = None
+    # How the agent probes this peer now (meshopt.probe.budget): "in_use" (a next hop or
+    # backup of an installed route, or traffic: probed fast) or "idle" (probed slowly),
+    # the time between probes and the failure-detection time that class gets.
+    probe_class: Literal["in_use", "idle"] | None = None
+    probe_interval_s: float | None = None
+    probe_dead_after_s: float | None = None
 
 
 # -- the compact, columnar peer table (telemetry's wire form) --------------------------
@@ -149,6 +159,8 @@ KEY_BYTES: Final = 32
 NONE_U32: Final = 0xFFFFFFFF
 NONE_U16: Final = 0xFFFF
 ALIVE_UNKNOWN: Final = 2
+PROBE_NONE: Final = 0xFF  # probe column: this peer's probing not reported
+MAX_PROBE_RATES: Final = 16  # distinct (class, interval, dead time) in one table
 MAX_IFNAMES: Final = 255  # ifname indexes are one byte
 
 # Column name -> numpy dtype of its packed little-endian values (the wire format).
@@ -173,6 +185,7 @@ COLUMNS: Final[dict[str, str]] = {
     "bandwidth_confidence": "<u2",
     "bandwidth_age": "<f4",
     "pmtu": "<u2",
+    "probe": "u1",
 }
 # The same as stdlib array type codes (sizes checked at import).
 _CODES: Final[dict[str, str]] = {"u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q", "<f4": "f"}
@@ -202,6 +215,18 @@ def _pack(code: str, values: Sequence[Any]) -> bytes:
     if _SWAP:
         a.byteswap()
     return a.tobytes()
+
+
+class ProbeRate(msgspec.Struct, array_like=True, frozen=True):
+    """One way of probing peers: class, time between probes, dead time (None: not
+    reported). A table lists the few distinct ones once; ``probe`` indexes them."""
+
+    cls: Literal["in_use", "idle"] | None = None
+    interval_s: float | None = None
+    dead_after_s: float | None = None
+
+
+_NO_RATE: Final = ProbeRate()
 
 
 class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -235,6 +260,8 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     bandwidth_confidence: bytes = b""
     bandwidth_age: bytes = b""
     pmtu: bytes = b""
+    probe_rates: list[ProbeRate] = msgspec.field(default_factory=list)
+    probe: bytes = b""
 
     def __len__(self) -> int:
         return len(self.keys) // KEY_BYTES
@@ -243,6 +270,17 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
         """Column ``name`` as raw wire values (quantised), or None when it is absent."""
         raw: bytes = getattr(self, name)
         return _unpack(name, raw) if raw else None
+
+    def _probe_rates(self) -> list[ProbeRate]:
+        """Each peer's ProbeRate (``_NO_RATE`` where not reported)."""
+        n = len(self)
+        rates = self.probe_rates
+        if not rates:
+            return [_NO_RATE] * n
+        idx = self.values("probe")
+        if idx is None:
+            return [rates[0]] * n
+        return [_NO_RATE if i == PROBE_NONE else rates[i] for i in idx]
 
     def key_list(self) -> list[str]:
         """The peers' keys in base64, the form every other part of meshopt uses."""
@@ -277,6 +315,7 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
         names = self.ifnames
         alive = self.values("alive")
         pmtu = self.values("pmtu")
+        probe_of = self._probe_rates()
         fields: dict[str, list[Any]] = {
             "public_key": self.key_list(),
             "ifname": [names[0]] * n if ifn is None else [names[i] for i in ifn],
@@ -297,6 +336,9 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
             "bandwidth_confidence": scaled("bandwidth_confidence", RATIO_UNIT, NONE_U16, 4),
             "bandwidth_age_s": opt("bandwidth_age"),
             "pmtu": none_n if pmtu is None else [v or None for v in pmtu],
+            "probe_class": [r.cls for r in probe_of],
+            "probe_interval_s": [r.interval_s for r in probe_of],
+            "probe_dead_after_s": [r.dead_after_s for r in probe_of],
         }
         names_ = list(fields)
         return [
@@ -319,6 +361,31 @@ def _pack_float(values: Sequence[float | None], default: float | None = None) ->
 
 def _pack_int(values: Sequence[int], code: str) -> bytes:
     return _pack(code, values) if any(values) else b""
+
+
+def _probe_columns(peers: Sequence[PeerReport]) -> dict[str, Any]:
+    """``probe_rates`` (the distinct ways peers are probed: two or three with the budget)
+    and ``probe``, each peer's index into it: one byte a peer."""
+    rates: list[ProbeRate] = []
+    index: dict[ProbeRate, int] = {}
+    col: list[int] = []
+    for p in peers:
+        r = ProbeRate(p.probe_class, p.probe_interval_s, p.probe_dead_after_s)
+        if r == _NO_RATE:
+            col.append(PROBE_NONE)
+            continue
+        i = index.get(r)
+        if i is None:
+            if len(rates) >= MAX_PROBE_RATES:
+                raise _bad("bad_value", f"peers probed in more than {MAX_PROBE_RATES} ways")
+            i = index[r] = len(rates)
+            rates.append(r)
+        col.append(i)
+    if not rates:
+        return {}
+    if all(i == 0 for i in col):
+        return {"probe_rates": rates}
+    return {"probe_rates": rates, "probe": _pack("B", col)}
 
 
 def peer_table(peers: Sequence[PeerReport]) -> PeerTable:
@@ -368,6 +435,7 @@ def peer_table(peers: Sequence[PeerReport]) -> PeerTable:
             ),
             "bandwidth_age": _pack_float([p.bandwidth_age_s for p in peers]),
             "pmtu": _pack_int([p.pmtu or 0 for p in peers], "H"),
+            **_probe_columns(peers),
         }
         for col, fld in DELAY_COLUMNS.items():
             cols[col] = _pack_opt([getattr(p, fld) for p in peers], DELAY_UNIT_MS, NONE_U32, "I")
@@ -421,6 +489,16 @@ def _check_table(t: PeerTable) -> None:
     pm = cols.get("pmtu")
     if pm is not None and pm and min(filter(None, pm), default=68) < 68:
         raise _bad("bad_value", "table.pmtu: a path MTU below 68")
+    _count(t.probe_rates, "table.probe_rates", MAX_PROBE_RATES)
+    for i, r in enumerate(t.probe_rates):
+        _probe_class(r.cls, f"table.probe_rates[{i}].cls")
+        _num(r.interval_s, f"table.probe_rates[{i}].interval_s", MIN_PROBE_S, MAX_PROBE_S)
+        _num(r.dead_after_s, f"table.probe_rates[{i}].dead_after_s", MIN_PROBE_S, MAX_PROBE_S)
+    pr = cols.get("probe")
+    if pr is not None and pr:
+        top = max(filter(PROBE_NONE.__ne__, pr), default=0)
+        if top >= max(len(t.probe_rates), 1):
+            raise _bad("bad_value", f"table.probe: {top} ({len(t.probe_rates)} probe_rates)")
     for name, hi, nan_ok in (
         ("rx_bps", MAX_PEER_RATE_BPS, False),
         ("tx_bps", MAX_PEER_RATE_BPS, False),
@@ -552,6 +630,167 @@ class RouteSet(msgspec.Struct, kw_only=True, frozen=True):
     controller: str
     term: int
     routes: list[Route] = msgspec.field(default_factory=list)
+
+
+class Tuning(msgspec.Struct, array_like=True, frozen=True):
+    """A bulk route's TCP settings (None: unset), listed once per distinct set."""
+
+    mtu: int | None = None
+    advmss: int | None = None
+    initcwnd: int | None = None
+    initrwnd: int | None = None
+    window: int | None = None
+    congctl: str | None = None
+
+
+class PackedRoutes(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A route set's routes, one column per field (the wire form of large sets).
+
+    What repeats is listed once and indexed per route (little-endian u16): ``keys``
+    (the peers the routes name, raw 32-byte WireGuard keys back to back) by ``via`` and
+    ``backup`` (0xFFFF: none; no column: no backups), ``prefixes`` by ``dst`` (a
+    destination has a fast and a bulk route), ``tunings`` (the bulk TCP settings) by
+    ``tuning`` (0xFFFF: none; no column: none anywhere). ``table``: u8 per route, 0
+    fast, 1 bulk (no column: all fast). About 9 bytes a route plus 32 a peer.
+    """
+
+    keys: bytes
+    prefixes: list[str]
+    dst: bytes
+    via: bytes
+    backup: bytes = b""
+    table: bytes = b""
+    tunings: list[Tuning] = msgspec.field(default_factory=list)
+    tuning: bytes = b""
+
+
+class PackedRouteSet(msgspec.Struct, kw_only=True, frozen=True):
+    """A RouteSet in its packed wire form: MessagePack, ``v`` = PACKED_ROUTES_VERSION, so
+    an agent from before it refuses the set (bad_version: it keeps its routes) instead
+    of reading an empty route list. :func:`encode` picks it only when the JSON form
+    would not fit MAX_PAYLOAD_BYTES signed (about 1,400 destinations with bulk routes,
+    fewer with their TCP settings); :func:`decode` gives the same RouteSet either way."""
+
+    v: int = PACKED_ROUTES_VERSION
+    mesh: str
+    node: str
+    version: int
+    issued_at: float
+    controller: str
+    term: int
+    packed: PackedRoutes
+
+
+_NONE_U16: Final = 0xFFFF
+_TABLES: Final[tuple[Literal["fast", "bulk"], ...]] = ("fast", "bulk")
+_NO_TUNING: Final = Tuning()
+
+
+def _interned(values: Sequence[Any], seen: dict[Any, int], out: list[Any]) -> list[int]:
+    """Each value's index in ``out``, appending the new ones."""
+    idx = []
+    for v in values:
+        i = seen.get(v)
+        if i is None:
+            i = seen[v] = len(out)
+            out.append(v)
+        idx.append(i)
+    return idx
+
+
+def pack_routes(rs: RouteSet) -> PackedRouteSet:
+    """The packed form of ``rs`` (routes in the same order)."""
+    routes = rs.routes
+    peers: list[str] = []
+    seen: dict[Any, int] = {}
+    via = _interned([r.via for r in routes], seen, peers)
+    backup = [
+        _NONE_U16 if r.backup is None else _interned([r.backup], seen, peers)[0] for r in routes
+    ]
+    prefixes: list[str] = []
+    dst = _interned([r.dst for r in routes], {}, prefixes)
+    tunings: list[Tuning] = []
+    t_seen: dict[Any, int] = {_NO_TUNING: _NONE_U16}
+    tuning = _interned(
+        [Tuning(r.mtu, r.advmss, r.initcwnd, r.initrwnd, r.window, r.congctl) for r in routes],
+        t_seen,
+        tunings,
+    )
+    if max(len(peers), len(prefixes), len(tunings)) >= _NONE_U16:
+        raise _bad("bad_value", "a route set too large to pack")
+    try:
+        keys = b"".join(key_to_bytes(k) for k in peers)
+    except KeyFormatError:
+        raise _bad("bad_key", "a route's peer is not a base64 WireGuard key") from None
+    cols: dict[str, Any] = {
+        "keys": keys,
+        "prefixes": prefixes,
+        "dst": _pack("H", dst),
+        "via": _pack("H", via),
+        "backup": b"" if all(b == _NONE_U16 for b in backup) else _pack("H", backup),
+        "table": _pack_int([_TABLES.index(r.table) for r in routes], "B"),
+        "tunings": tunings,
+        "tuning": _pack("H", tuning) if tunings else b"",
+    }
+    return PackedRouteSet(
+        mesh=rs.mesh, node=rs.node, version=rs.version, issued_at=rs.issued_at,
+        controller=rs.controller, term=rs.term, packed=PackedRoutes(**cols),
+    )  # fmt: skip
+
+
+def unpack_routes(p: PackedRouteSet) -> RouteSet:
+    """The RouteSet a packed one carries; BusMessageError unless its columns fit together
+    (the routes are then checked like any set's, by :func:`validate`)."""
+    t = p.packed
+    n = len(t.dst) // 2
+    if n > MAX_ROUTES:
+        raise _bad("bad_value", f"routes: {n} entries (at most {MAX_ROUTES})")
+    if len(t.keys) % KEY_BYTES:
+        raise _bad("bad_value", f"packed.keys: {len(t.keys)} bytes, not whole keys")
+    _count(t.prefixes, "packed.prefixes", MAX_ROUTES)
+    _count(t.tunings, "packed.tunings", MAX_ROUTES)
+    keys = [
+        base64.b64encode(t.keys[i : i + KEY_BYTES]).decode("ascii")
+        for i in range(0, len(t.keys), KEY_BYTES)
+    ]
+    _count(keys, "packed.keys", MAX_ROUTES)
+
+    def column(name: str, code: str, size: int, hi: int, none: int | None) -> list[int] | None:
+        raw: bytes = getattr(t, name)
+        if not raw and name not in ("dst", "via"):
+            return None
+        if len(raw) != n * size:
+            raise _bad("bad_value", f"packed.{name}: {len(raw)} bytes for {n} routes")
+        a: array[Any] = array(code)
+        a.frombytes(raw)
+        if _SWAP:
+            a.byteswap()
+        top = max(filter(none.__ne__, a), default=0) if none is not None else max(a, default=0)
+        if n and top > hi:
+            raise _bad("bad_value", f"packed.{name}: index {top} (at most {hi})")
+        return a.tolist()
+
+    dst = column("dst", "H", 2, len(t.prefixes) - 1, None)
+    via = column("via", "H", 2, len(keys) - 1, None)
+    backup = column("backup", "H", 2, len(keys) - 1, _NONE_U16)
+    table = column("table", "B", 1, len(_TABLES) - 1, None)
+    tuning = column("tuning", "H", 2, len(t.tunings) - 1, _NONE_U16)
+    assert dst is not None and via is not None
+    tunings = [msgspec.structs.asdict(x) for x in t.tunings]
+    routes = [
+        Route(
+            dst=t.prefixes[dst[i]],
+            via=keys[via[i]],
+            backup=None if backup is None or backup[i] == _NONE_U16 else keys[backup[i]],
+            table=_TABLES[table[i]] if table is not None else "fast",
+            **({} if tuning is None or tuning[i] == _NONE_U16 else tunings[tuning[i]]),
+        )
+        for i in range(n)
+    ]
+    return RouteSet(
+        mesh=p.mesh, node=p.node, version=p.version, issued_at=p.issued_at,
+        controller=p.controller, term=p.term, routes=routes,
+    )  # fmt: skip
 
 
 SignedKind = Literal["telemetry", "status", "routes", "lease", "controller_status"]
@@ -688,6 +927,14 @@ MAX_PEER_BANDWIDTH_MBIT: Final = 1e9  # 1 Pbit/s
 MAX_PEER_RATE_BPS: Final = 1e13  # 10 Tbit/s
 MAX_PEER_AGE_S: Final = 10 * 366 * 86400.0  # ten years
 MAX_FULL_INTERVAL_S: Final = 86400.0
+MAX_PROBE_S: Final = 3600.0  # a probe interval or dead time (the budget's are <= 25 s)
+MIN_PROBE_S: Final = 0.001
+
+
+def _probe_class(value: str | None, field: str) -> None:
+    # msgspec checks the Literal on decode; this catches what Python code built.
+    if value not in (None, "in_use", "idle"):
+        raise _bad("bad_value", f"{field} is not a probe class")
 
 
 def _check_peer(p: PeerReport, i: int) -> None:
@@ -708,11 +955,17 @@ def _check_peer(p: PeerReport, i: int) -> None:
     _num(p.bandwidth_mbit, f + ".bandwidth_mbit", hi=MAX_PEER_BANDWIDTH_MBIT)
     _num(p.bandwidth_confidence, f + ".bandwidth_confidence", 0.0, 1.0)
     _int(p.pmtu, f + ".pmtu", 68, 65535)
+    _probe_class(p.probe_class, f + ".probe_class")
+    for name in ("probe_interval_s", "probe_dead_after_s"):
+        value = getattr(p, name)
+        _num(value, f"{f}.{name}", MIN_PROBE_S, MAX_PROBE_S)
 
 
 def _check_route(r: Route, i: int) -> None:
     f = f"routes[{i}]"
     _prefix(r.dst, f + ".dst")
+    if r.table not in _TABLES:
+        raise _bad("bad_value", f"{f}.table is not fast or bulk")
     _key(r.via, f + ".via")
     if r.backup is not None:
         _key(r.backup, f + ".backup")
@@ -809,6 +1062,7 @@ _decoders: dict[type[Any], msgspec.json.Decoder[Any]] = {}
 _mp_encoder = msgspec.msgpack.Encoder()
 _mp_envelope = msgspec.msgpack.Decoder(_Envelope)
 _mp_decoders: dict[type[Any], msgspec.msgpack.Decoder[Any]] = {}
+_packed_route_set = msgspec.msgpack.Decoder(PackedRouteSet)
 
 
 def is_msgpack(data: bytes | bytearray | memoryview) -> bool:
@@ -841,7 +1095,16 @@ def encode(msg: Message) -> bytes:
     validate(msg)
     if isinstance(msg, Telemetry) and msg.table is not None:
         return _mp_encoder.encode(msg)
-    return _encoder.encode(msg)
+    data = _encoder.encode(msg)
+    if isinstance(msg, RouteSet) and _signed_size(len(data)) > MAX_PAYLOAD_BYTES:
+        # Too large as JSON (about 1,400 destinations with bulk routes): packed.
+        return _mp_encoder.encode(pack_routes(msg))
+    return data
+
+
+def _signed_size(payload: int) -> int:
+    """About how large a Signed envelope around ``payload`` bytes is (base64, fields)."""
+    return 4 * ((payload + 2) // 3) + 512
 
 
 def decode(data: bytes, kind: type[M], *, max_bytes: int = MAX_PAYLOAD_BYTES) -> M:
@@ -870,6 +1133,16 @@ def _decode(data: bytes | bytearray | memoryview, kind: type[M]) -> M:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         # msgspec's MessagePack reader raises UnicodeDecodeError for a broken string.
         raise _bad("bad_json", str(exc)[:200]) from None
+    if env.v == PACKED_ROUTES_VERSION and kind is RouteSet and packed:
+        try:
+            p = _packed_route_set.decode(data)
+        except msgspec.ValidationError as exc:
+            raise _schema_or_json(data, exc) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise _bad("bad_json", str(exc)[:200]) from None
+        rs: M = unpack_routes(p)  # type: ignore[assignment]
+        validate(rs)
+        return rs
     if env.v != SCHEMA_VERSION:
         raise _bad("bad_version", f"v={env.v}, this side speaks {SCHEMA_VERSION}")
     decoder: msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]

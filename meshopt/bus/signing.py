@@ -286,7 +286,11 @@ def sign(kind: SignedKind, msg: Message, key: PrivateKeyObject, kid: str | None 
         signature=key.sign(_to_sign(kind, payload)),
         key_id=kid or key_id(key),
     )
-    return encode(signed)
+    data = encode(signed)
+    if kind == "routes" and len(data) > MAX_PAYLOAD_BYTES:
+        # Agents would refuse it (too_large): the controller counts it instead of sending.
+        raise BusMessageError("too_large", f"signed route set of {len(data)} bytes")
+    return data
 
 
 def sign_route_set(rs: RouteSet, key: PrivateKeyObject) -> bytes:

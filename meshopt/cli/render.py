@@ -34,6 +34,23 @@ _RESET = "\x1b[0m"
 Cell = str | tuple[str, str]  # text, or (text, style name)
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s"
+
+
+def probe_text(cls: str | None, interval_s: float | None, dead_after_s: float | None) -> str:
+    """How a peer is probed, for people: "in use: every 0.33 s, dead after 0.8 s"."""
+    if cls is None and interval_s is None:
+        return "-"
+    word = {"in_use": "in use", "idle": "idle"}.get(cls or "", cls or "?")
+    parts = [word]
+    if interval_s is not None:
+        parts.append(f"every {_seconds(interval_s)}")
+    if dead_after_s is not None:
+        parts.append(f"dead after {_seconds(dead_after_s)}")
+    return parts[0] + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+
+
 class Out:
     """Lines for stdout, gathered and written once; styles only where a terminal shows them."""
 
@@ -278,8 +295,15 @@ def render_live_routes(o: Out, r: NodeRoutes) -> None:
 
 def render_live_path(o: Out, p: LivePath) -> None:
     o.table(
-        ["hop", "measured RTT"],
-        [(f"{h.src} → {h.dst}", _ms(h.rtt_ms)) for h in p.hops],
+        ["hop", "measured RTT", "probed"],
+        [
+            (
+                f"{h.src} → {h.dst}",
+                _ms(h.rtt_ms),
+                probe_text(h.probe_class, h.probe_interval_s, h.probe_dead_after_s),
+            )
+            for h in p.hops
+        ],
         title=f"{p.src} → {p.dst} (as the route sets forward now)",
         right=("measured RTT",),
     )
@@ -406,6 +430,13 @@ def _unreachable(nodes: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+_NO_PROBE: dict[str, Any] = {
+    "probe_class": None,
+    "probe_interval_s": None,
+    "probe_dead_after_s": None,
+}
+
+
 def offline_path_json(mesh: str, topology: str, info: PathInfo) -> dict[str, Any]:
     reachable = bool(info.hops)
     return {
@@ -420,7 +451,8 @@ def offline_path_json(mesh: str, topology: str, info: PathInfo) -> dict[str, Any
         "problem": None if reachable else f"no path from {info.src} to {info.dst}",
         "path": [info.src, *[h.dst for h in info.hops]],
         "relays": info.relays,
-        "hops": [asdict(h) for h in info.hops],
+        # How each tunnel is probed is known live only (the agents' telemetry).
+        "hops": [{**asdict(h), **_NO_PROBE} for h in info.hops],
         "rtt_ms": info.rtt_ms,
         "cost_ms": info.cost_ms,
         "direct_rtt_ms": info.direct_rtt_ms,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from meshopt.cli.render import probe_text
 from meshopt.errors import InputError, UnavailableError
 
 if TYPE_CHECKING:
@@ -264,6 +265,9 @@ def report(status: AgentStatus, cmp: Comparison | None, now: float, path: Path) 
                 "alive": p.alive,
                 "rtt_ms": p.rtt_ms,
                 "loss": p.loss,
+                "probe_class": p.probe_class,
+                "probe_interval_s": p.probe_interval_s,
+                "probe_dead_after_s": p.probe_dead_after_s,
             }
             for p in status.peers
         ],
@@ -321,13 +325,18 @@ def render_text(doc: dict[str, Any], color: bool) -> str:
         lines.append(_style("refused by the kernel: ", "1;31", color) + err)
     if doc["peers"]:
         lines.append("")
-        lines.append(f"  {'peer':<10} {'interface':<15} {'state':<6} {'rtt':>10} {'loss':>7}")
+        lines.append(
+            f"  {'peer':<10} {'interface':<15} {'state':<6} {'rtt':>10} {'loss':>7}  probed"
+        )
         for p in doc["peers"]:
             word = {True: "alive", False: "DEAD", None: "?"}[p["alive"]]
             alive = _style(f"{word:<6}", "1;31" if p["alive"] is False else "", color)
             rtt = f"{p['rtt_ms']:.2f} ms" if p["rtt_ms"] is not None else "-"
             loss = f"{100 * p['loss']:.1f} %" if p["loss"] is not None else "-"
-            lines.append(f"  {p['key'][:8]:<10} {p['interface']:<15} {alive} {rtt:>10} {loss:>7}")
+            lines.append(
+                f"  {p['key'][:8]:<10} {p['interface']:<15} {alive} {rtt:>10} {loss:>7}  "
+                + probe_text(p["probe_class"], p["probe_interval_s"], p["probe_dead_after_s"])
+            )
     lines.append("")
     k = doc["kernel"]
     if k is None:

@@ -82,6 +82,11 @@ class StatusPeer(msgspec.Struct, kw_only=True):
     alive: bool | None = None
     rtt_ms: float | None = None
     loss: float | None = None
+    # How the prober probes the peer (meshopt.probe.budget): "in_use" or "idle", the
+    # time between probes and after how long without a reply it is declared dead.
+    probe_class: str | None = None
+    probe_interval_s: float | None = None
+    probe_dead_after_s: float | None = None
 
 
 class AgentStatus(msgspec.Struct, kw_only=True):
@@ -221,6 +226,7 @@ def snapshot(agent: Agent, started_at: float) -> AgentStatus:
     peers = []
     for key, p in sorted(agent.tracker.peers.items(), key=lambda kv: (kv[1].ifname, kv[0])):
         stats = agent.prober.stats(key)
+        rate = agent.prober.rate(key)
         peers.append(
             StatusPeer(
                 key=key,
@@ -229,6 +235,9 @@ def snapshot(agent: Agent, started_at: float) -> AgentStatus:
                 alive=agent.prober.alive(key),
                 rtt_ms=_finite(stats.srtt_ms) if stats else None,
                 loss=_finite(stats.loss) if stats and stats.sent else None,
+                probe_class=rate.cls if rate else None,
+                probe_interval_s=rate.interval_s if rate else None,
+                probe_dead_after_s=rate.dead_after_s if rate else None,
             )
         )
     return AgentStatus(

@@ -57,7 +57,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias
+from typing import Final, Protocol, TypeAlias
 
 from meshopt.errors import InputError
 from meshopt.probe.packet import (
@@ -445,6 +445,9 @@ def allowed_arg(args: argparse.Namespace) -> AllowedSources:
 # --- the echo responder -----------------------------------------------------------------
 
 
+MAX_JUDGED: Final = 4096  # senders remembered as parsed and judged
+
+
 class Responder:
     """Answers probe REQUESTs on its bound addresses (see the module doc for the guards).
 
@@ -469,10 +472,24 @@ class Responder:
             "recv_error": 0,
             "bind_error": 0,
         }
+        # Each sender's address, parsed and judged, by (host, scope id): parsing it
+        # (ipaddress, and the interface name of a link-local one) was most of what an
+        # echo cost. Emptied whenever ``allowed`` is replaced, and when full (a flood of
+        # spoofed sources costs a re-parse, never memory).
+        self._judged: dict[tuple[str, int], SourceAddress | None] = {}
         self.allowed = allowed
         self.buckets = SourceBuckets(limit) if limit is not None else None
         self._listeners = Listeners("probe responder", self._on_readable)
         self._logged: set[str] = set()
+
+    @property
+    def allowed(self) -> AllowedSources:
+        return self._allowed
+
+    @allowed.setter
+    def allowed(self, value: AllowedSources) -> None:
+        self._allowed = value
+        self._judged.clear()
 
     async def start(self, host: str | Iterable[str] = LOOPBACK, port: int = PROBE_PORT) -> None:
         """Bind every address in ``host`` on ``port`` (0: a free port, see :attr:`port`)
@@ -531,9 +548,24 @@ class Responder:
             self.counters["recv_error"] += 1
             log.debug("probe responder: recvmsg failed: %s", exc)
 
-    def _admit(self, addr: Address) -> bool:
+    def _source(self, addr: Address) -> SourceAddress | None:
+        """The sender if it is an allowed source, else None (judged once per sender)."""
+        key = (addr[0], addr[3] if len(addr) == 4 else 0)
+        try:
+            return self._judged[key]
+        except KeyError:
+            pass
         source = source_of(addr)
-        if source is None or not self.allowed(source):
+        if source is not None and not self._allowed(source):
+            source = None
+        if len(self._judged) >= MAX_JUDGED:
+            self._judged.clear()
+        self._judged[key] = source
+        return source
+
+    def _admit(self, addr: Address) -> bool:
+        source = self._source(addr)
+        if source is None:
             self.counters["unknown_source"] += 1
             self._log_once(
                 "unknown_source",

@@ -201,3 +201,46 @@ def test_synthetic_agent_sends_what_the_agents_cadence_plans() -> None:
     ag.factor[3] = 10.0
     change = ag.plan()
     assert change is not None and [p.public_key for p in change.peers] == [mesh.nodes[3].wg_key]
+
+
+def test_synthetic_heartbeats_do_not_rebuild_every_peer_report() -> None:
+    """At N = 1000 building 999 peer reports for each heartbeat check took the whole
+    generator: while nothing was injected and no snapshot is due, the agent's cadence
+    can only answer a heartbeat or nothing, and the synthetic agent answers it without
+    building the reports; an injected change still builds them (and is reported). Its
+    MQTT keepalive is the agent daemon's, not the bus default."""
+    from meshopt.agent.daemon import AGENT_KEEPALIVE_S
+    from meshopt.bench.synthetic import SyntheticAgent
+    from meshopt.bus.client import BrokerSettings
+    from meshopt.bus.signing import generate_signing_key
+
+    mesh = SyntheticMesh(40, seed=1)
+    ctl = public_key_b64(generate_signing_key()[0])
+    ag = SyntheticAgent(mesh, 0, BrokerSettings(), ctl, rng=random.Random(1))
+    assert ag.bus.keepalive_s == AGENT_KEEPALIVE_S == 10
+    first = ag.plan()
+    assert first is not None and first.full and ag.snapshots == 1
+    ag.cadence.sent(first, time.monotonic())
+    ag.cadence.last_full = time.monotonic() + 3600.0  # no snapshot due
+    assert ag.plan() is None and ag.snapshots == 1  # nothing due, nothing built
+    ag.cadence.last_sent = -1e9
+    beat = ag.plan()
+    assert beat is not None and not beat.full and beat.peers == [] and ag.snapshots == 1
+    ag.factor[5] = 10.0
+    change = ag.plan()
+    assert change is not None and ag.snapshots == 2
+    assert [p.public_key for p in change.peers] == [mesh.nodes[5].wg_key]
+    # Once that change is sent, checks are cheap again.
+    ag.cadence.sent(change, time.monotonic())
+    ag._sent_factor = dict(ag.factor)
+    ag.cadence.last_sent = -1e9
+    again = ag.plan()
+    assert again is not None and again.peers == [] and ag.snapshots == 2
+
+
+def test_generator_check_cost_reports_both_ways() -> None:
+    from meshopt.bench.synthetic import generator_check_cost
+
+    cost = generator_check_cost(SyntheticMesh(30, seed=1), rounds=3)
+    assert cost["check_ms"] < cost["built_ms"]  # the heartbeat builds nothing now
+    assert cost["core_share_pct"] <= cost["core_share_pct_built"]

@@ -482,6 +482,42 @@ def test_200kB_route_set_crosses_and_oversized_is_seen_not_lost(mesh: Mesh) -> N
     run(go())
 
 
+def test_a_2000_destination_route_set_crosses_and_the_agent_takes_it(mesh: Mesh) -> None:
+    """A 2,000-node mesh's set (fast and bulk routes, packed: its JSON would be 560 kB)
+    crosses the production broker config and the bridge, retained, at QoS 1, and the
+    agent's own acceptance path (AgentCore) takes it with every route."""
+    from meshopt.agent.core import AgentCore, RouteState
+    from meshopt.wireguard.keys import generate_keypair
+
+    peers = [generate_keypair()[1] for _ in range(2000)]
+    routes = []
+    for i, k in enumerate(peers):
+        dst = f"10.{100 + i // 256}.{i % 256}.1/32"
+        routes.append(Route(dst=dst, via=k, backup=peers[(i + 1) % len(peers)]))
+        routes.append(Route(dst=dst, via=k, table="bulk", mtu=1420, advmss=1380, window=2**22))
+    rs = RouteSet(mesh=MESH, node="b", version=2000, issued_at=time.time(), controller="ctl",
+                  term=1, routes=routes)  # fmt: skip
+    payload = sign_route_set(rs, mesh.controller_key)
+    assert len(payload) <= MAX_PAYLOAD_BYTES
+
+    async def go() -> None:
+        inbox = Inbox()
+        agent = bus(mesh.regional.settings("b"), "agent-b", T.routes("b"))
+        ctl = bus(mesh.central.settings("ctl"), "ctl")
+        async with running(agent, inbox), running(ctl):
+            assert await agent.wait_connected(WAIT) and await ctl.wait_connected(WAIT)
+            assert await ctl.publish(T.routes("b"), payload, qos=1, retain=True)
+            _, got, _ = await inbox.until(lambda x: len(x[1]) == len(payload))
+            assert got == payload
+            core = AgentCore(MESH, "b", mesh.node_keys["b"][0], [mesh.controller_pub],
+                             RouteState(), time.time())  # fmt: skip
+            accepted = core.on_route_set(got, time.time())
+            assert accepted is not None, core.counters.snapshot()
+            assert accepted.route_set == rs and len(accepted.route_set.routes) == 4000
+
+    run(go())
+
+
 def test_bridge_identity_may_write_only_its_regions_topics(mesh: Mesh) -> None:
     """Logged in to broker 1 as the bridge user (another client id): its ACL in action."""
     bridge_dir = mesh.tmp / "pki1" / "clients" / "r2"

@@ -26,6 +26,7 @@ from meshopt.bus.messages import (
     Route,
     RouteSet,
     Telemetry,
+    peer_table,
 )
 from meshopt.bus.signing import generate_signing_key, sign, sign_route_set
 from meshopt.bus.topics import Topics
@@ -63,12 +64,19 @@ def telemetry(node: str, mesh: str = MESH, *, skew: Mapping[str, float] | None =
             ifname="wg0",
             alive=True,
             rtt_ms=rtt(node, p) + (skew or {}).get(p, 0),
+            # The probe budget: links the routes use fast, the rest idle.
+            **(
+                {"probe_class": "in_use", "probe_interval_s": 0.33, "probe_dead_after_s": 0.8}
+                if {node, p} != {"n1", "n4"}
+                else {"probe_class": "idle", "probe_interval_s": 2.0, "probe_dead_after_s": 4.848}
+            ),
         )
         for p in NODES
         if p != node
     ]
+    # As agents send it: the columnar table (meshopt.bus.messages.PeerTable).
     t = Telemetry(mesh=mesh, node=node, public_key=key(node), addresses=[addr(node)], seq=1,
-                  sent_at=ISSUED, full=True, peers=peers)  # fmt: skip
+                  sent_at=ISSUED, full=True, table=peer_table(peers))  # fmt: skip
     return sign("telemetry", t, NODE_KEY)
 
 
@@ -130,6 +138,17 @@ def test_path_follows_each_nodes_route_set_with_measured_rtts(view: LiveView) ->
     assert [h.rtt_ms for h in p.hops] == [10.0, 24.0]
     assert p.rtt_ms == 34.0 and p.direct_rtt_ms == 80.0 and p.gain_ms == 46.0
     assert p.since == ISSUED + 5
+    # How each hop's tunnel is probed, as its source reports it.
+    assert [(h.probe_class, h.probe_interval_s, h.probe_dead_after_s) for h in p.hops] == [
+        ("in_use", 0.33, 0.8),
+        ("in_use", 0.33, 0.8),
+    ]
+    direct = view.hop("n1", "n4")
+    assert (direct.probe_class, direct.probe_interval_s, direct.probe_dead_after_s) == (
+        "idle",
+        2.0,
+        4.848,
+    )
     assert view.path("n1", "n3").nodes == ["n1", "n3"]
 
 
@@ -317,9 +336,12 @@ def test_cli_path_live_and_offline_forms(
     assert data["path"] == ["n1", "n2", "n4"] and data["relays"] == ["n2"]
     assert [h["rtt_ms"] for h in data["hops"]] == [10.0, 24.0]
     assert (data["rtt_ms"], data["direct_rtt_ms"], data["gain_ms"]) == (34.0, 80.0, 46.0)
+    assert [h["probe_class"] for h in data["hops"]] == ["in_use", "in_use"]
+    assert [h["probe_dead_after_s"] for h in data["hops"]] == [0.8, 0.8]
     code, out, err = cli(capsys, "path", "n4", "n1")
     assert code == 0, err
     assert "path: n4 → n2 → n1 via n2" in out and "relaying saves 46.0 ms (58%)" in out
+    assert "in use: every 0.33 s, dead after 0.8 s" in out
     # three arguments: the offline form, from the topology file
     lab4 = str(Path(__file__).resolve().parents[2] / "topologies" / "lab4.yaml")
     code, out, err = cli(capsys, "path", lab4, "n1", "n4", "--json")

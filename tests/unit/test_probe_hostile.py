@@ -396,6 +396,32 @@ def test_unknown_sources_get_nothing_and_are_counted(kind: str) -> None:
     asyncio.run(main())
 
 
+def test_replacing_the_allowed_sources_takes_effect_at_once() -> None:
+    """The responder judges each sender once and remembers it; a new peer list (the agent
+    replaces ``allowed`` when its peers change) is applied to the very next datagram."""
+
+    async def main() -> None:
+        responder = Responder(allowed=PeerSources([(f"{A}/32", None)]))
+        await responder.start([B], 0)
+        try:
+            with client(A) as a, client(B) as b:
+                for _ in range(3):  # judged once, answered each time
+                    a.sendto(request(), (B, responder.port))
+                assert len(await replies(a)) == 3
+                b.sendto(request(), (B, responder.port))
+                assert await replies(b) == []
+                responder.allowed = PeerSources([(f"{B}/32", None)])  # A gone, B a peer
+                a.sendto(request(), (B, responder.port))
+                b.sendto(request(), (B, responder.port))
+                assert await replies(a) == [] and len(await replies(b)) == 1
+        finally:
+            responder.close()
+        assert responder.counters["unknown_source"] == 2
+        assert responder.counters["echoed"] == 4
+
+    asyncio.run(main())
+
+
 # --- 4. bound addresses only --------------------------------------------------------------
 
 

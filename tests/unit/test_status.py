@@ -88,7 +88,18 @@ def status(**kw: object) -> AgentStatus:
             routes=[StatusSetRoute(dst="10.9.0.2/32", via=KEY_B)],
         ),
         routes=[StatusRoute(dst="10.9.0.2/32", oif="wg0", table=7701)],
-        peers=[StatusPeer(key=KEY_B, interface="wg0", alive=True, rtt_ms=10.25, loss=0.0)],
+        peers=[
+            StatusPeer(
+                key=KEY_B,
+                interface="wg0",
+                alive=True,
+                rtt_ms=10.25,
+                loss=0.0,
+                probe_class="idle",
+                probe_interval_s=5.75,
+                probe_dead_after_s=13.939,
+            )
+        ],
     )
     base.update(kw)
     return AgentStatus(**base)  # type: ignore[arg-type]
@@ -125,6 +136,8 @@ def test_text_shows_each_difference_and_the_verdict() -> None:
     assert "kernel differs from the last route set: 1 missing, 1 extra, 1 wrong" in text
     assert "route set: v7 term 3 from ctl1, issued 12 s ago, 1 routes" in text
     assert "broker NOT connected" in text and "10.25 ms" in text
+    assert "idle: every 5.75 s, dead after 13.9 s" in text  # how the peer is probed
+    assert doc["peers"][0]["probe_dead_after_s"] == 13.939
     assert "\x1b[" not in text
     assert doc["kernel"]["missing"] == 1 and doc["in_sync"] is False
 

@@ -66,6 +66,9 @@ def agent_peer(key: str, i: int = 0, **kw: Any) -> PeerReport:
         bandwidth_confidence=0.8,
         bandwidth_age_s=12.5,
         pmtu=1420,
+        probe_class="idle" if i % 10 else "in_use",
+        probe_interval_s=5.75 if i % 10 else 0.33,
+        probe_dead_after_s=13.939 if i % 10 else 0.8,
     )
     base.update(kw)
     return PeerReport(**base)
@@ -125,6 +128,9 @@ def test_rows_come_back_within_the_quantisation() -> None:
         assert got.bandwidth_confidence == pytest.approx(0.8)
         assert got.bandwidth_age_s == pytest.approx(12.5)
         assert got.pmtu == 1420
+        assert got.probe_class == want.probe_class
+        assert got.probe_interval_s == want.probe_interval_s  # whole milliseconds
+        assert got.probe_dead_after_s == want.probe_dead_after_s
 
 
 def test_not_measured_stays_not_measured() -> None:
@@ -206,7 +212,8 @@ def test_a_1000_peer_snapshot_fits_with_room() -> None:
         plan=Plan(True, peers, 120.0), counters={},
     )  # fmt: skip
     # Every field filled, 40-bit counters: about 124 bytes a peer, a third more for the
-    # envelope's base64 (the envelope stays JSON): 165 kB, where JSON objects took 475 kB.
+    # envelope's base64 (the envelope stays JSON): 167 kB with the probe class (one byte a
+    # peer), where JSON objects took 475 kB.
     assert len(data) < MAX_PAYLOAD_BYTES * 2 // 3, len(data)
     assert len(decode_telemetry(decode_signed(data).payload).peers) == 999
 
