@@ -33,16 +33,26 @@ still counted in ``suboptimal_pairs``.
 
 from __future__ import annotations
 
+import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.typing as npt
 
+from meshopt.agent.config import ProbeSettings, TelemetrySettings
+from meshopt.agent.plan import next_hop_in_use
+from meshopt.agent.telemetry import full_interval, reports_moved
+from meshopt.controller.config import ControllerConfig
+from meshopt.controller.engine import RouteEngine, startup_policy
+from meshopt.controller.view import Matrices, link_matrices, warmed_up
 from meshopt.errors import InputError
+from meshopt.estimate import RobustConfig
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
-from meshopt.policy import Installed, PolicyConfig, decide
+from meshopt.policy import Installed, PolicyConfig
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
 from meshopt.routing.tables import IntArray, reduce_paths
@@ -52,24 +62,43 @@ from meshopt.sim.report import EventResult, GainSummary, SimPerf, SimReport, sum
 from meshopt.topology.model import Topology
 
 
+def _controller_defaults() -> ControllerConfig:
+    return ControllerConfig(mesh="sim", id="sim", signing_key="")
+
+
 @dataclass(frozen=True)
 class SimConfig:
+    """The simulated mesh's settings; the defaults are the agent's and the controller's."""
+
     duration_s: float = 120.0
     seed: int = 0
-    probe_interval_s: float = 0.25
-    dead_after: int = 4  # missed probes: 4 x 0.25 s declares a peer dead within 1 s
-    recompute_s: float | None = None  # None: 1 s, or 5 s above 300 nodes
+    probe_interval_s: float = ProbeSettings().interval_s
+    dead_after_s: float = ProbeSettings().dead_after_s
+    tick_s: float = 0.05  # resolution of fail-over, installs and scoring
+    # Minimum time between two recomputes; None: none up to 300 nodes (the controller
+    # recomputes on input after its debounce), 5 s above (a recompute there takes
+    # seconds of CPU, and the controller spaces routine ones by their CPU time).
+    recompute_s: float | None = None
     rtt_half_life_s: float = 2.0
     loss_half_life_s: float = 10.0
+    loss_window: int = 64  # the prober's window (meshopt.probe.stats)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    # Agents start boot_s + uniform(0, boot_spread_s) after time 0 (the lab: ~3 s from
+    # starting the agents to their first telemetry, whose first check is 1 s after start).
+    boot_s: float = 2.0
+    boot_spread_s: float = 1.0
+    install_s: float = 0.05  # a route set from the controller's decision to the kernel
     symmetric: bool = False
     backups: bool = True
     metric: Metric = field(default_factory=Metric)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    controller: ControllerConfig = field(default_factory=_controller_defaults)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
-    def recompute_interval(self, n: int) -> float:
+    def recompute_gap(self, n: int) -> float:
         if self.recompute_s is not None:
             return self.recompute_s
-        return 1.0 if n <= 300 else 5.0
+        return 0.0 if n <= 300 else 5.0
 
 
 @dataclass
@@ -149,19 +178,6 @@ def _apply(event: Event, topo: Topology, node_up: BoolArray) -> None:
             getattr(topo, key)[a, b] = value
 
 
-def _cost_noise(est: LinkEstimator, metric: Metric) -> FloatArray:
-    """Standard deviation of each link's estimated metric cost: RTT and loss terms.
-
-    The policy must not switch on what estimation noise alone can produce; on a
-    lossy link the loss estimate is the noisier part (the penalty's slope is
-    ``loss_penalty_ms / (1 - loss)^2``).
-    """
-    loss = np.clip(est.loss, 0.0, 0.99)
-    slope = metric.loss_penalty_ms / (1.0 - loss) ** 2
-    noise = np.sqrt(est.noise() ** 2 + (slope * est.loss_noise()) ** 2)
-    return np.asarray(np.where(np.isfinite(noise), noise, 0.0))
-
-
 def _direct(topo: Topology) -> Installed:
     """Routes before the controller's first decision: each pair over its own tunnel.
 
@@ -185,8 +201,18 @@ class _Backups:
     (tests/unit/test_sim_scale.py, tests/unit/test_backup_sources.py).
     """
 
-    def __init__(self, best: RouteTables, cost: FloatArray, relay: float, enabled: bool) -> None:
+    def __init__(
+        self,
+        best: RouteTables,
+        cost: FloatArray,
+        relay: float,
+        enabled: bool,
+        symmetric: bool = False,
+    ) -> None:
         self.best = best
+        self.enabled = enabled
+        self.symmetric = symmetric
+        self.direct_ok = np.isfinite(cost)  # the route sets' backup in symmetric meshes
         self._cost: FloatArray | None = cost if enabled else None
         self._relay = relay
         self._inputs: tuple[FloatArray, FloatArray] | None = None  # dist, weights
@@ -220,36 +246,54 @@ class _Backups:
         return self.best
 
 
-def _effective(
-    inst: Installed, backups: _Backups | None, dead: BoolArray
-) -> tuple[IntArray, BoolArray]:
-    """Installed next hops, with local fail-over to the backup where the next hop is dead.
+def _prober(dead_row: BoolArray) -> Callable[[int], bool | None]:
+    """One node's prober verdicts as the agent's fail-over rule reads them."""
 
-    The controller ships a backup with every entry it installs: the loop-free
-    alternate of the best route where the entry is the best route, and the best
-    route's own next hop where the policy kept another one. An agent switches to
-    it when the installed next hop stops answering and the backup still does.
-    Also returns the mask of entries running on their backup.
+    def alive(k: int) -> bool | None:
+        return not bool(dead_row[k])
+
+    return alive
+
+
+def _effective(
+    inst: Installed, backups: _Backups | None, dead: BoolArray, tunnel: BoolArray
+) -> tuple[IntArray, BoolArray]:
+    """Installed next hops after the agents' local fail-over, and the mask of entries
+    moved by it.
+
+    Every entry whose next hop the agent's prober declared dead goes through the agent's
+    own rule (:func:`meshopt.agent.plan.next_hop_in_use`): to the backup the route set
+    carries if that is not dead, else withdrawn, so traffic takes the plain WireGuard
+    route: the destination's own tunnel. The backup is the controller's: in symmetric
+    meshes the direct tunnel (one AllowedIPs set per destination, see the engine's route
+    sets), otherwise the loop-free alternate of the best route (where the entry is the
+    best route) or the best route's next hop (where the policy kept another one).
     """
     nh = inst.next_hop
     n = nh.shape[0]
     none = np.zeros((n, n), dtype=bool)
-    if backups is None:
-        return nh, none
     rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
     broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
     np.fill_diagonal(broken, False)  # a node's own entry (it is never probed) has no backup
     if not broken.any():
         return nh, none  # nothing to fail over: the backups are not needed this round
-    best = backups.tables(np.flatnonzero(broken.any(axis=1)))
-    if best is None or best.backup is None:
-        return nh, none
-    backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
-    alive = (backup != NO_ROUTE) & ~dead[rows, np.where(backup == NO_ROUTE, rows, backup)]
-    swap: BoolArray = broken & alive & (backup != nh)
-    if not swap.any():
-        return nh, swap
-    return np.where(swap, backup, nh), swap
+    backup = np.full((n, n), NO_ROUTE, dtype=np.int64)
+    if backups is not None and backups.enabled:
+        if backups.symmetric:
+            backup = np.where(backups.direct_ok, np.arange(n)[None, :], NO_ROUTE)
+        else:
+            best = backups.tables(np.flatnonzero(broken.any(axis=1)))
+            if best is not None and best.backup is not None:
+                backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
+    out = nh.copy()
+    for s, d in zip(*(x.tolist() for x in np.nonzero(broken)), strict=True):
+        b = int(backup[s, d])
+        via = next_hop_in_use(int(nh[s, d]), None if b == NO_ROUTE else b, _prober(dead[s]))
+        if via is None:  # withdrawn: the plain WireGuard route, if there is a tunnel
+            via = d if tunnel[s, d] else NO_ROUTE
+        out[s, d] = via
+    swap: BoolArray = out != nh
+    return out, swap
 
 
 @dataclass
@@ -307,6 +351,74 @@ class _Tracker:
         res.suboptimal_pairs = int(bad.sum())
 
 
+def _popcount(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    return np.asarray(np.bitwise_count(bits), dtype=np.int64)
+
+
+@dataclass
+class _Agents:
+    """What the agents measured and what they last told the controller, every link at once.
+
+    The prober's window (``loss``, ``samples`` over the last ``window`` probes, as
+    :class:`meshopt.probe.stats.ProbeStats`) is kept as two bit registers per link; the
+    RTT estimate is :class:`~meshopt.sim.estimator.LinkEstimator`. ``pub_*`` are the
+    values of the last telemetry each agent sent (the controller's view of the mesh).
+    """
+
+    n: int
+    window: int
+    sent: npt.NDArray[np.int64]
+    got_bits: npt.NDArray[np.uint64]
+    lost_bits: npt.NDArray[np.uint64]
+    last_reply: FloatArray  # -inf: never answered (the prober's alive is None)
+    pub_alive: npt.NDArray[np.int64]
+    pub_rtt: FloatArray
+    pub_jitter: FloatArray
+    pub_noise: FloatArray
+    pub_loss: FloatArray
+    pub_samples: FloatArray
+    pub_sent: FloatArray
+    last_seen: FloatArray  # per node: its last telemetry (-inf: none yet)
+    last_full: FloatArray
+    next_check: FloatArray
+
+    @classmethod
+    def start(cls, n: int, window: int, first_check: FloatArray) -> _Agents:
+        z = np.zeros((n, n))
+        return cls(
+            n=n,
+            window=window,
+            sent=np.zeros((n, n), dtype=np.int64),
+            got_bits=np.zeros((n, n), dtype=np.uint64),
+            lost_bits=np.zeros((n, n), dtype=np.uint64),
+            last_reply=np.full((n, n), -np.inf),
+            pub_alive=np.full((n, n), -1, dtype=np.int64),
+            pub_rtt=np.full((n, n), np.nan),
+            pub_jitter=z.copy(),
+            pub_noise=z.copy(),
+            pub_loss=z.copy(),
+            pub_samples=z.copy(),
+            pub_sent=z.copy(),
+            last_seen=np.full(n, -np.inf),
+            last_full=np.full(n, -np.inf),
+            next_check=first_check.copy(),
+        )
+
+    def probe(self, probed: BoolArray, got: BoolArray, reply_at: FloatArray) -> None:
+        mask = np.uint64((1 << self.window) - 1) if self.window < 64 else np.uint64(2**64 - 1)
+        one = np.uint64(1)
+        self.sent += probed
+        g = (self.got_bits << one) & mask | got.astype(np.uint64)
+        lo = (self.lost_bits << one) & mask | (probed & ~got).astype(np.uint64)
+        self.got_bits = np.where(probed, g, self.got_bits)
+        self.lost_bits = np.where(probed, lo, self.lost_bits)
+        self.last_reply = np.where(got, reply_at, self.last_reply)
+
+    def dead(self, now: float, dead_after_s: float) -> BoolArray:
+        """The prober's verdict: a peer that answered once and not for ``dead_after_s``."""
+        return np.asarray(np.isfinite(self.last_reply) & (now >= self.last_reply + dead_after_s))
+
+
 def simulate(
     topo: Topology,
     events: Sequence[Event] = (),
@@ -326,12 +438,23 @@ def simulate(
     rng = np.random.default_rng(cfg.seed)
     n = topo.n
     metric, relay = cfg.metric, cfg.metric.relay_hop_ms
+    ctl, tel = cfg.controller, cfg.telemetry
     live = topo.copy()
     node_up = np.ones(n, dtype=bool)
+    interval = cfg.probe_interval_s
     est = LinkEstimator(
-        cfg.probe_interval_s, cfg.rtt_half_life_s, cfg.loss_half_life_s, cfg.dead_after
+        interval,
+        cfg.rtt_half_life_s,
+        cfg.loss_half_life_s,
+        max(1, math.ceil(cfg.dead_after_s / interval)),
+        robust=cfg.robust,
     )
     est.reset(n)
+    # When each agent starts (probing and answering), its probes' phase and its checks.
+    boot = cfg.boot_s + rng.uniform(0.0, cfg.boot_spread_s, n)
+    probe_phase = float(rng.uniform(0.0, interval))
+    agents = _Agents.start(n, cfg.loss_window, boot + tel.check_interval_s)
+    engine = RouteEngine(cfg.policy, relay_hop_ms=relay, symmetric=cfg.symmetric, max_incremental=8)
     clock = time.perf_counter
     phase = dict.fromkeys(
         ("truth", "routes", "backups", "policy", "failover", "score", "probes"), 0.0
@@ -341,21 +464,35 @@ def simulate(
     truth = _truth(live, node_up, metric, cfg.symmetric, est)
     phase["truth"] += clock() - t0
     pending = sorted(events, key=lambda e: e.at_s)
-    steps = max(1, round(cfg.duration_s / cfg.probe_interval_s))
-    every = max(1, round(cfg.recompute_interval(n) / cfg.probe_interval_s))
+    tick = cfg.tick_s
+    steps = max(1, round(cfg.duration_s / tick))
+    gap = cfg.recompute_gap(n)
     off = ~np.eye(n, dtype=bool)
+    tunnel = topo.tunnels & off
     installed = _direct(topo)
     backups: _Backups | None = None
+    to_install: list[tuple[float, Installed, _Backups | None]] = []
     was_swapped = np.zeros((n, n), dtype=bool)
     changes = np.zeros((n, n), dtype=np.int64)
     failovers = 0
+    decisions = 0
+    first_seen: float | None = None
+    dirty_since: float | None = None
+    last_recompute = -np.inf
+    next_round = probe_phase
+    dead = np.zeros((n, n), dtype=bool)
+    next_dead = np.inf  # the earliest moment a live peer can be declared dead
+    eff_dirty = True
+    eff = installed.next_hop
+    scored: IntArray | None = None
     gains: GainSummary | None = None
     start = _Tracker(EventResult(event="start", at_s=0.0))
     tracker = start
     results: list[EventResult] = []
     for step in range(steps):
-        now = step * cfg.probe_interval_s
-        while pending and pending[0].at_s <= now:
+        now = step * tick
+        truth_moved = False
+        while pending and pending[0].at_s <= now + 1e-9:
             ev = pending.pop(0)
             if gains is None:
                 gains = _gains(truth, installed)
@@ -365,47 +502,102 @@ def simulate(
             phase["truth"] += clock() - t0
             tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s), leftover=tracker.bad)
             results.append(tracker.result)
+            truth_moved = True
 
-        if step > 0 and step % every == 0:  # the controller; at step 0 nothing is measured yet
-            if backups is not None and backups.computed:  # the last interval's, if it was needed
+        t0 = clock()
+        if next_round <= now + 1e-9:  # a probe round: one probe per tunnel direction
+            sent_at = next_round
+            next_round += interval
+            up = boot <= sent_at
+            probed = tunnel & up[:, None]
+            # jitter is the standard deviation of the delay (as in topology files and the
+            # lab's shaper): normal noise around the configured RTT, never below zero.
+            noise = rng.standard_normal((n, n)) * truth.sigma
+            lost = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+            sample = np.maximum(truth.rtt + noise, 0.0)
+            est.update(sample, lost, probed)
+            got = probed & ~lost
+            agents.probe(probed, got, sent_at + sample / 1000.0)
+            alive_once = np.isfinite(agents.last_reply)
+            if alive_once.any():
+                next_dead = float(np.min(agents.last_reply[alive_once])) + cfg.dead_after_s
+        if next_dead <= now + 1e-9:
+            fresh_dead = agents.dead(now, cfg.dead_after_s)
+            if not np.array_equal(fresh_dead, dead):
+                eff_dirty = True
+            dead = fresh_dead
+            live_links = np.isfinite(agents.last_reply) & ~dead
+            next_dead = (
+                float(np.min(agents.last_reply[live_links])) + cfg.dead_after_s
+                if live_links.any()
+                else np.inf
+            )
+
+        # The agents' telemetry checks: what moved goes out (a full snapshot when due).
+        rows = np.flatnonzero(agents.next_check <= now + 1e-9)
+        if rows.size:
+            _report(agents, est, dead, rows, now, tel, off)
+            if first_seen is None:
+                first_seen = now
+            dirty_since = now if dirty_since is None else dirty_since
+        phase["probes"] += clock() - t0
+
+        # The controller: a recompute after the debounce, once warm.
+        if (
+            dirty_since is not None
+            and now - dirty_since >= ctl.debounce_s - 1e-9
+            and now - last_recompute >= gap - 1e-9
+            and warmed_up(
+                first_seen,
+                now,
+                ctl.warmup_s,
+                lambda: _measured(agents, tunnel, ctl.warmup_samples),
+            )
+        ):
+            if backups is not None and backups.computed:
                 backup_computations += 1
                 phase["backups"] += backups.took_s
                 phase["failover"] -= backups.took_s  # it ran inside the fail-over check
+                backups.took_s = 0.0
+                backups.computed = False
+            dirty_since = None
+            last_recompute = now
             recomputes += 1
             t0 = clock()
-            cost = metric.link_costs(est.srtt, est.jitter, est.loss)
-            cost = np.where((est.dead() | ~topo.tunnels) & off, np.inf, cost)
-            np.fill_diagonal(cost, 0.0)
-            best = compute_routes(cost, topo.names, relay_hop_ms=relay, symmetric=cfg.symmetric)
-            backups = _Backups(best, cost, relay, cfg.backups)
+            m = _matrices(agents, topo.names, tunnel, metric, now)
+            pol = startup_policy(cfg.policy, first_seen, now, ctl.startup_s, ctl.startup_hold_s)
+            best, dec, _, _ = engine.decide(m, now, pol, backups=False)
             t1 = clock()
             phase["routes"] += t1 - t0
-            dec = decide(
-                installed, best, cost, _cost_noise(est, metric), now, cfg.policy,
-                relay_hop_ms=relay, symmetric=cfg.symmetric,
-            )  # fmt: skip
-            changes += dec.changed
-            tracker.result.route_changes += int(dec.changed.sum())
-            installed = dec.installed
+            if decisions > 0:  # the first install is not a change of routes
+                changes += dec.changed
+                tracker.result.route_changes += int(dec.changed.sum())
+            decisions += 1
+            new = Installed(next_hop=dec.installed.next_hop.copy(), since=dec.installed.since)
+            if not cfg.symmetric:  # the engine updates its tables in place next time
+                best = copy.deepcopy(best)
+            bk = _Backups(best, m.cost, relay, cfg.backups, cfg.symmetric)
+            to_install.append((now + cfg.install_s, new, bk))
             phase["policy"] += clock() - t1
 
-        t0 = clock()
-        eff, swapped = _effective(installed, backups, est.dead())
-        failovers += int((swapped & ~was_swapped).sum())
-        was_swapped = swapped
-        t1 = clock()
-        tracker.score(truth, eff, now, cfg.policy)
-        t2 = clock()
+        while to_install and to_install[0][0] <= now + 1e-9:
+            _, installed, backups = to_install.pop(0)
+            eff_dirty = True
 
-        # jitter is the standard deviation of the delay (as in topology files and the
-        # lab's shaper): normal noise around the configured RTT, never below zero.
-        noise = rng.standard_normal((n, n)) * truth.sigma
-        lost = (rng.random((n, n)) < truth.loss) | ~truth.usable
-        est.update(np.maximum(truth.rtt + noise, 0.0), lost)
+        t0 = clock()
+        if eff_dirty:
+            eff, swapped = _effective(installed, backups, dead, tunnel)
+            eff = eff if eff is not installed.next_hop else eff.copy()
+            failovers += int((swapped & ~was_swapped).sum())
+            was_swapped = swapped
+            eff_dirty = False
+        t1 = clock()
+        if truth_moved or scored is not eff:
+            tracker.score(truth, eff, now, cfg.policy)
+            scored = eff
         phase["failover"] += t1 - t0
-        phase["score"] += t2 - t1
-        phase["probes"] += clock() - t2
-        if progress is not None:
+        phase["score"] += clock() - t1
+        if progress is not None and step % 64 == 0:
             progress(step / steps)
 
     if backups is not None and backups.computed:
@@ -448,6 +640,80 @@ def simulate(
         initial_suboptimal_pairs=start.result.suboptimal_pairs,
         perf=perf,
     )
+
+
+def _report(
+    agents: _Agents,
+    est: LinkEstimator,
+    dead: BoolArray,
+    rows: IntArray,
+    now: float,
+    tel: TelemetrySettings,
+    off: BoolArray,
+) -> None:
+    """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
+    (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
+    full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`)."""
+    a = agents
+    got = _popcount(a.got_bits[rows]).astype(np.float64)
+    lost = _popcount(a.lost_bits[rows]).astype(np.float64)
+    outcomes = got + lost
+    with np.errstate(divide="ignore", invalid="ignore"):
+        loss = np.where(outcomes > 0, lost / outcomes, 0.0)
+    answered = np.isfinite(a.last_reply[rows])
+    alive = np.where(dead[rows], 0, np.where(answered, 1, -1)).astype(np.int64)
+    rtt = np.where(answered, est.srtt[rows], np.nan)
+    moved = reports_moved(
+        a.pub_alive[rows], alive, a.pub_rtt[rows], rtt,
+        a.pub_samples[rows], got, a.pub_loss[rows], loss, tel,
+    )  # fmt: skip
+    peers = int(off[0].sum())
+    full = (now - a.last_full[rows] >= full_interval(peers, tel) - 1e-9)[:, None]
+    take = (moved | full) & off[rows]
+    r = rows[:, None]
+    cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
+    ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
+    a.pub_alive[ri, ci] = alive[take]
+    a.pub_rtt[ri, ci] = rtt[take]
+    a.pub_jitter[ri, ci] = est.jitter[rows][take]
+    a.pub_noise[ri, ci] = est.noise()[rows][take]
+    a.pub_loss[ri, ci] = loss[take]
+    a.pub_samples[ri, ci] = got[take]
+    a.pub_sent[ri, ci] = a.sent[rows][take]
+    a.last_seen[rows] = now
+    a.last_full[rows] = np.where(full[:, 0], now, a.last_full[rows])
+    a.next_check[rows] += tel.check_interval_s
+
+
+def _measured(agents: _Agents, tunnel: BoolArray, min_samples: int) -> bool:
+    """Every tunnel reported with ``min_samples`` RTT samples (``MeshView.measured``)."""
+    ok = ~np.isnan(agents.pub_rtt) & (agents.pub_samples >= min_samples)
+    return bool(np.all(ok | ~tunnel))
+
+
+def _matrices(
+    agents: _Agents, names: list[str], tunnel: BoolArray, metric: Metric, now: float
+) -> Matrices:
+    """The controller's matrices from the agents' last telemetry, priced by the view's
+    own function (:func:`~meshopt.controller.view.link_matrices`). A node not heard
+    from yet is not in the picture (its links are down)."""
+    a = agents
+    n = len(names)
+    heard = np.isfinite(a.last_seen)
+    age = np.broadcast_to(np.maximum(now - a.last_seen, 0.0)[:, None], (n, n))
+    age = np.where(np.isfinite(age), age, 0.0)
+    cost, sd, term = link_matrices(
+        metric, a.pub_rtt, a.pub_jitter, a.pub_loss, a.pub_noise,
+        a.pub_samples, a.pub_sent, a.pub_alive == 0, age,
+    )  # fmt: skip
+    known = tunnel & heard[:, None] & heard[None, :]
+    cost = np.where(known, cost, np.inf)
+    sd = np.where(known, sd, 0.0)
+    term = np.where(known & np.isfinite(cost), term, 0.0)
+    np.fill_diagonal(cost, 0.0)
+    rtt = np.where(known & np.isfinite(cost), a.pub_rtt, np.nan)
+    z = np.zeros((n, n))
+    return Matrices(names, cost, sd, z, heard, rtt, z, term)
 
 
 def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:

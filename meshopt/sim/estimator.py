@@ -99,10 +99,13 @@ class LinkEstimator:
         # The warm-up's samples, only where they are checked (estimate.warm_up_restart).
         self.warm = np.zeros((n, n, self.robust.warmup if self._checks_warm_up else 0))
 
-    def update(self, sample: FloatArray, lost: BoolArray) -> None:
-        """One probe round: ``sample`` RTTs (ignored where ``lost``)."""
+    def update(self, sample: FloatArray, lost: BoolArray, probed: BoolArray | None = None) -> None:
+        """One probe round: ``sample`` RTTs (ignored where ``lost``); ``probed``: only
+        those links sent a probe (an agent not started yet sends none), the rest stay."""
         cfg = self.robust
-        got = ~lost
+        if probed is not None:
+            lost = lost & probed
+        got = ~lost if probed is None else ~lost & probed
         fresh = got & (np.isnan(self.srtt) | (self.misses >= self.dead_after))
         # A link that comes back (or is new) starts from its first sample.
         self.srtt = np.where(fresh, sample, self.srtt)
@@ -141,8 +144,13 @@ class LinkEstimator:
             ready = (acc | fresh) & (self.accepted == cfg.warmup)
             for i, j in zip(*(x.tolist() for x in np.nonzero(ready)), strict=True):
                 self._reseed(i, j)
-        self.loss += self.a_loss * (lost.astype(np.float64) - self.loss)
-        self.misses = np.where(lost, self.misses + 1, 0).astype(np.int32)
+        if probed is None:
+            self.loss += self.a_loss * (lost.astype(np.float64) - self.loss)
+            self.misses = np.where(lost, self.misses + 1, 0).astype(np.int32)
+        else:
+            self.loss += np.where(probed, self.a_loss * (lost.astype(np.float64) - self.loss), 0.0)
+            self.misses = np.where(lost, self.misses + 1, np.where(probed, 0, self.misses))
+            self.misses = self.misses.astype(np.int32)
 
     def _restart(self, i: int, j: int, scale: float) -> None:
         """Link (i, j)'s outliers so far, if they are a real change (estimate.py)."""
