@@ -88,6 +88,7 @@ class SimConfig:
     boot_s: float = 2.0
     boot_spread_s: float = 1.0
     install_s: float = 0.05  # a route set from the controller's decision to the kernel
+    keep_routes: bool = False  # report the next hops in use at the end of each interval
     symmetric: bool = False
     backups: bool = True
     metric: Metric = field(default_factory=Metric)
@@ -485,6 +486,7 @@ def simulate(
     eff_dirty = True
     eff = installed.next_hop
     scored: IntArray | None = None
+    prev_eff = eff
     gains: GainSummary | None = None
     start = _Tracker(EventResult(event="start", at_s=0.0))
     tracker = start
@@ -496,6 +498,8 @@ def simulate(
             ev = pending.pop(0)
             if gains is None:
                 gains = _gains(truth, installed)
+            if cfg.keep_routes:
+                tracker.result.routes = _named(topo.names, eff)
             _apply(ev, live, node_up)
             t0 = clock()
             truth = _truth(live, node_up, metric, cfg.symmetric, est)
@@ -588,6 +592,8 @@ def simulate(
         if eff_dirty:
             eff, swapped = _effective(installed, backups, dead, tunnel)
             eff = eff if eff is not installed.next_hop else eff.copy()
+            tracker.result.hop_changes += int((eff != prev_eff).sum())
+            prev_eff = eff
             failovers += int((swapped & ~was_swapped).sum())
             was_swapped = swapped
             eff_dirty = False
@@ -606,6 +612,8 @@ def simulate(
         phase["failover"] -= backups.took_s  # it ran inside the fail-over check
     if gains is None:
         gains = _gains(truth, installed)
+    if cfg.keep_routes:
+        tracker.result.routes = _named(topo.names, eff)
     if progress is not None:
         progress(1.0)
     routes = n * (n - 1)
@@ -640,6 +648,13 @@ def simulate(
         initial_suboptimal_pairs=start.result.suboptimal_pairs,
         perf=perf,
     )
+
+
+def _named(names: list[str], nh: IntArray) -> dict[str, dict[str, str]]:
+    return {
+        names[s]: {names[d]: names[h] for d, h in enumerate(nh[s].tolist()) if d != s and h >= 0}
+        for s in range(len(names))
+    }
 
 
 def _report(
