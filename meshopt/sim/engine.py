@@ -270,8 +270,10 @@ def _effective(
     sets), otherwise the loop-free alternate of the best route (where the entry is the
     best route) or the best route's next hop (where the policy kept another one).
     """
-    nh = inst.next_hop
-    n = nh.shape[0]
+    n = inst.next_hop.shape[0]
+    # An entry without a route (the controller found no path) leaves the destination on
+    # the plain WireGuard route: its own tunnel, where there is one.
+    nh = np.where((inst.next_hop == NO_ROUTE) & tunnel, np.arange(n)[None, :], inst.next_hop)
     none = np.zeros((n, n), dtype=bool)
     rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
     broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
@@ -522,9 +524,9 @@ def simulate(
             est.update(sample, lost, probed)
             got = probed & ~lost
             agents.probe(probed, got, sent_at + sample / 1000.0)
-            alive_once = np.isfinite(agents.last_reply)
-            if alive_once.any():
-                next_dead = float(np.min(agents.last_reply[alive_once])) + cfg.dead_after_s
+            watch = np.isfinite(agents.last_reply) & ~dead
+            if watch.any():
+                next_dead = float(np.min(agents.last_reply[watch])) + cfg.dead_after_s
         if next_dead <= now + 1e-9:
             fresh_dead = agents.dead(now, cfg.dead_after_s)
             if not np.array_equal(fresh_dead, dead):
@@ -690,8 +692,8 @@ def _report(
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
     a.pub_alive[ri, ci] = alive[take]
     a.pub_rtt[ri, ci] = rtt[take]
-    a.pub_jitter[ri, ci] = est.jitter[rows][take]
-    a.pub_noise[ri, ci] = est.noise()[rows][take]
+    a.pub_jitter[ri, ci] = est.jitter_rows(rows)[take]
+    a.pub_noise[ri, ci] = est.noise_rows(rows)[take]
     a.pub_loss[ri, ci] = loss[take]
     a.pub_samples[ri, ci] = got[take]
     a.pub_sent[ri, ci] = a.sent[rows][take]

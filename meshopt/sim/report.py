@@ -71,7 +71,7 @@ class SimPerf:
     agents' estimators).
     """
 
-    rounds: int = 0  # probe rounds simulated
+    rounds: int = 0  # time steps simulated (SimConfig.tick_s each)
     recomputes: int = 0  # controller decisions
     backup_computations: int = 0  # recomputes whose backups fail-over needed
     wall_per_simulated_s: float = 0.0
