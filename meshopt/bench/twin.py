@@ -132,12 +132,27 @@ def _windows(sc: Scenario, tl: Timeline) -> list[tuple[str, float, float]]:
 # --- the simulator's side ----------------------------------------------------------------
 
 
-def sim_side(sc: Scenario, tl: Timeline, seeds: int = 3) -> dict[str, Any]:
-    """The simulated figures per event, medians over ``seeds`` runs (and each run's)."""
+def sim_side(
+    sc: Scenario, tl: Timeline, seeds: int = 3, boot: tuple[float, float] | None = None
+) -> dict[str, Any]:
+    """The simulated figures per event, medians over ``seeds`` runs (and each run's).
+
+    ``boot``: (earliest, latest) time the agents came up, as measured in the lab; None:
+    the simulator's default (2-3 s)."""
     runs = []
     events = sc.sim_events(tl)
+    extra: dict[str, float] = {}
+    if boot is not None:
+        extra = {"boot_s": boot[0], "boot_spread_s": max(boot[1] - boot[0], 0.0)}
     for seed in range(seeds):
-        cfg = SimConfig(duration_s=tl.end, seed=seed, symmetric=True, keep_routes=True)
+        cfg = SimConfig(
+            duration_s=tl.end,
+            seed=seed,
+            symmetric=True,
+            keep_routes=True,
+            converge_rel=0.05,
+            **extra,  # type: ignore[arg-type]
+        )
         rep = simulate(sc.topo, events, cfg)
         by_text = {e.event: e for e in rep.events}
         one: dict[str, Any] = {"initial_converge_s": rep.initial_converge_s}
@@ -193,6 +208,29 @@ def _med(values: list[Any]) -> float | None:
 
 
 # --- the lab's side ----------------------------------------------------------------------
+
+
+class _BootWatch(threading.Thread):
+    """When each agent logged that it is up (reading its lab log every 0.1 s), in
+    seconds from ``t0``: the agents' start-up, an input of the simulated twin."""
+
+    def __init__(self, logs: dict[str, Any], t0: float, timeout_s: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.logs, self.t0, self.timeout_s = logs, t0, timeout_s
+        self.up: dict[str, float] = {}
+
+    def run(self) -> None:
+        while len(self.up) < len(self.logs) and time.monotonic() - self.t0 < self.timeout_s:
+            for node, path in self.logs.items():
+                if node in self.up:
+                    continue
+                try:
+                    text = path.read_text(errors="replace")
+                except OSError:
+                    continue
+                if " up: interfaces " in text:
+                    self.up[node] = time.monotonic() - self.t0
+            time.sleep(0.1)
 
 
 class _Reader(threading.Thread):
@@ -272,6 +310,7 @@ def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict
     from meshopt.lab.lab import Lab
     from meshopt.lab.measure import outage_time
     from meshopt.lab.mesh import LiveMesh
+    from meshopt.lab.state import lab_dir
 
     lab = Lab.up(sc.topo, name=f"twin{index}", layout="single")
     mesh = LiveMesh(lab)
@@ -279,8 +318,16 @@ def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict
     out: dict[str, Any] = {}
     try:
         timing = lab.emulator.stats()
-        mesh.start()
+        logs = {n: lab_dir(lab.plan.lab_id) / "agents" / f"{n}.log" for n in mesh.nodes}
+        for path in logs.values():  # a log left from an earlier start would read as up
+            path.unlink(missing_ok=True)
         t0 = time.monotonic()
+        watch = _BootWatch(logs, t0)
+        watch.start()
+        mesh.start()
+        started = time.monotonic() - t0
+        t0 = time.monotonic()
+        watch.t0 = t0
         reader = _Reader(mesh, t0)
         reader.start()
         topo = sc.topo.copy()
@@ -338,6 +385,10 @@ def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict
                 "routes": _at(log, end),
             }
         out["slowest_reading_s"] = reader.slowest
+        watch.join(timeout=1)
+        ups = sorted(watch.up.values())
+        out["agents_up_s"] = {"first": ups[0], "last": ups[-1], "count": len(ups)} if ups else None
+        out["start_call_s"] = started
         out["lab_fidelity"] = lag_window(timing, lab.emulator.stats())
         return out
     finally:
@@ -370,6 +421,18 @@ def same_routes(
     return same / len(pairs_)
 
 
+def _diff(a: dict[str, dict[str, str]] | None, b: dict[str, dict[str, str]] | None) -> list[str]:
+    """The ordered pairs whose next hop differs: "src->dst sim:X lab:Y"."""
+    if a is None or b is None:
+        return []
+    keys = sorted({(s, d) for t in (a, b) for s in t for d in t[s]})
+    return [
+        f"{s}->{d} sim:{a.get(s, {}).get(d)} lab:{b.get(s, {}).get(d)}"
+        for s, d in keys
+        if a.get(s, {}).get(d) != b.get(s, {}).get(d)
+    ]
+
+
 def _time_ok(sim: float | None, lab: float | None) -> bool | None:
     if sim is None or lab is None:
         return None if sim is None and lab is None else False
@@ -391,6 +454,7 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
         share = same_routes(s.get("routes"), m.get("routes"))
         tol = max(1.0, pairs_ / 10.0)
         sc_, mc = s.get("hop_changes"), m.get("hop_changes")
+        diff = _diff(s.get("routes"), m.get("routes"))
         rows[name] = {
             "outage_s": {"sim": s.get("outage_s"), "lab": m.get("outage_s"),
                          "ok": _time_ok(s.get("outage_s"), m.get("outage_s"))},
@@ -399,7 +463,8 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
             "changes": {"sim": sc_, "sim_decided": s.get("decided_changes"), "lab": mc,
                         "tolerance": tol,
                         "ok": None if sc_ is None or mc is None else abs(sc_ - mc) <= tol},
-            "final_routes_same": {"share": share, "ok": None if share is None else share >= 0.95},
+            "final_routes_same": {"share": share, "ok": None if share is None else share >= 0.95,
+                                  "differ": diff},
         }  # fmt: skip
     return rows
 
@@ -418,19 +483,23 @@ def bench(
     results = []
     for k, topology in enumerate(topologies):
         sc = scenario(topology)
+        labs: list[dict[str, Any]] = []
+        if not sim_only:
+            labs = [lab_side(sc, tl, k * 10 + r, progress) for r in range(lab_runs)]
+        boot = _boot(labs)
         started = time.monotonic()
-        sim = sim_side(sc, tl, seeds)
+        sim = sim_side(sc, tl, seeds, boot)
         entry: dict[str, Any] = {
             "topology": topology,
             "nodes": sc.topo.n,
             "events": {"degradation": sc.degrade, "relay_failure": sc.relay,
                        "relay_pair": sc.relay_pair, "jitter_links": len(sc.jitter)},
             "sim_wall_s": time.monotonic() - started,
+            "sim_boot_from_lab": boot,
             "sim": _strip(sim),
         }  # fmt: skip
         progress(f"{topology}: simulated in {entry['sim_wall_s']:.1f} s")
-        if not sim_only:
-            labs = [lab_side(sc, tl, k * 10 + r, progress) for r in range(lab_runs)]
+        if labs:
             lab = _lab_medians(labs, sc, tl)
             entry["lab"] = _strip(lab)
             entry["lab_runs"] = [_strip(x) for x in labs]
@@ -438,6 +507,14 @@ def bench(
         results.append(entry)
     out["topologies"] = results
     return out
+
+
+def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(earliest, latest) agent start measured in the lab runs, medians over runs."""
+    ups = [x["agents_up_s"] for x in labs if x.get("agents_up_s")]
+    if not ups:
+        return None
+    return statistics.median(u["first"] for u in ups), statistics.median(u["last"] for u in ups)
 
 
 def _lab_medians(labs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:

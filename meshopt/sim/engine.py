@@ -89,6 +89,11 @@ class SimConfig:
     boot_spread_s: float = 1.0
     install_s: float = 0.05  # a route set from the controller's decision to the kernel
     keep_routes: bool = False  # report the next hops in use at the end of each interval
+    # Converged: None, the policy would not move the pair even with settled estimates
+    # (its margins and noise test); a share, the pair's cost is within it of the
+    # optimum's or less than the absolute margin above it (the lab's reading,
+    # meshopt.lab.measure.near_optimum, as the twin benchmark compares).
+    converge_rel: float | None = None
     symmetric: bool = False
     backups: bool = True
     metric: Metric = field(default_factory=Metric)
@@ -315,7 +320,14 @@ class _Tracker:
     bad: BoolArray | None = None  # outside the margin at the last round scored
     _seen: tuple[_Truth, IntArray] | None = None
 
-    def score(self, truth: _Truth, eff: IntArray, now: float, pol: PolicyConfig) -> None:
+    def score(
+        self,
+        truth: _Truth,
+        eff: IntArray,
+        now: float,
+        pol: PolicyConfig,
+        rel: float | None = None,
+    ) -> None:
         if self._seen is not None and self._seen[0] is truth and np.array_equal(self._seen[1], eff):
             return  # same routes, same underlay: same verdict as last round (saves a full walk)
         self._seen = (truth, eff.copy())
@@ -335,6 +347,8 @@ class _Tracker:
                 | (gain < pol.rel_margin * got + 1e-6)
                 | (gain <= pol.noise_sigmas * noise + 1e-6)
             )
+            if rel is not None:
+                close = (gain < pol.abs_margin_ms) | (got <= opt * (1.0 + rel) + 1e-6)
         bad = want & (broken | ~close)
         self.bad = bad
         moved = bad if self.leftover is None else (bad & ~self.leftover) | broken
@@ -524,6 +538,9 @@ def simulate(
             est.update(sample, lost, probed)
             got = probed & ~lost
             agents.probe(probed, got, sent_at + sample / 1000.0)
+            if (got & dead).any():  # a dead peer answered: alive again at once
+                dead = dead & ~got
+                eff_dirty = True
             watch = np.isfinite(agents.last_reply) & ~dead
             if watch.any():
                 next_dead = float(np.min(agents.last_reply[watch])) + cfg.dead_after_s
@@ -601,7 +618,7 @@ def simulate(
             eff_dirty = False
         t1 = clock()
         if truth_moved or scored is not eff:
-            tracker.score(truth, eff, now, cfg.policy)
+            tracker.score(truth, eff, now, cfg.policy, cfg.converge_rel)
             scored = eff
         phase["failover"] += t1 - t0
         phase["score"] += clock() - t1

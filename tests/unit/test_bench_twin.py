@@ -40,8 +40,10 @@ def test_sim_side_reports_each_event_of_the_demo() -> None:
     # The relay's pairs fail over locally: the prober's 0.8 s dead timer, not a recompute.
     assert fail["outage_s"] is not None and 0.4 <= fail["outage_s"] <= 0.9
     assert fail["hop_changes"] >= 2
-    # A static mesh with jitter: nothing moves in the jitter period.
-    assert out["jitter"]["decided_changes"] <= 1
+    # In the jitter period only routes moving back through the restored relay change
+    # (each entry the failure moved at most once more); the jitter itself moves nothing.
+    for run in out["runs"]:
+        assert run["jitter"]["decided_changes"] <= run["relay_failure"]["decided_changes"]
     routes = out["jitter"]["routes"]
     assert routes is not None and set(routes) == set(sc.topo.names)
 
