@@ -277,11 +277,13 @@ def _effective(
     """
     n = inst.next_hop.shape[0]
     # An entry without a route (the controller found no path) leaves the destination on
-    # the plain WireGuard route: its own tunnel, where there is one.
-    nh = np.where((inst.next_hop == NO_ROUTE) & tunnel, np.arange(n)[None, :], inst.next_hop)
+    # the plain WireGuard route: its own tunnel, where there is one. No route, nothing
+    # to fail over.
+    unrouted = inst.next_hop == NO_ROUTE
+    nh = np.where(unrouted & tunnel, np.arange(n)[None, :], inst.next_hop)
     none = np.zeros((n, n), dtype=bool)
     rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
-    broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
+    broken = ~unrouted & dead[rows, np.where(unrouted, rows, nh)]
     np.fill_diagonal(broken, False)  # a node's own entry (it is never probed) has no backup
     if not broken.any():
         return nh, none  # nothing to fail over: the backups are not needed this round
@@ -319,6 +321,7 @@ class _Tracker:
     converged_at: float | None = None
     bad: BoolArray | None = None  # outside the margin at the last round scored
     _seen: tuple[_Truth, IntArray] | None = None
+    _paths: tuple[FloatArray, FloatArray] | None = None  # cost and variance of eff's paths
 
     def score(
         self,
@@ -328,10 +331,23 @@ class _Tracker:
         pol: PolicyConfig,
         rel: float | None = None,
     ) -> None:
-        if self._seen is not None and self._seen[0] is truth and np.array_equal(self._seen[1], eff):
-            return  # same routes, same underlay: same verdict as last round (saves a full walk)
+        n = eff.shape[0]
+        cols: IntArray | None = None
+        if self._seen is not None and self._seen[0] is truth:
+            cols = np.flatnonzero((self._seen[1] != eff).any(axis=0))
+            if cols.size == 0:
+                return  # same routes, same underlay: same verdict as last time
         self._seen = (truth, eff.copy())
-        got = _true_cost(truth, eff, truth.relay)
+        if cols is not None and cols.size <= n // 4 and self._paths is not None:
+            # A path towards d reads column d of the next hops only: walk just the
+            # destinations whose column changed (an agent's fail-over moves a few).
+            got, path_var = self._paths
+            got[:, cols] = _true_cost_cols(truth, eff, truth.relay, cols)
+            path_var[:, cols] = _sum_paths_cols(eff, truth.var, cols)
+        else:
+            got = _true_cost(truth, eff, truth.relay)
+            path_var = reduce_paths(eff, truth.var)
+            self._paths = (got, path_var)
         opt = truth.optimum.cost
         want = np.isfinite(opt) & ~np.eye(opt.shape[0], dtype=bool)
         broken = want & ~np.isfinite(got)
@@ -341,7 +357,7 @@ class _Tracker:
         # within the noise such estimates still have.
         with np.errstate(invalid="ignore"):  # inf - inf where a pair is unreachable anyway
             gain = got - opt
-            noise = np.sqrt(reduce_paths(eff, truth.var) + truth.optimum_var)
+            noise = np.sqrt(path_var + truth.optimum_var)
             close = (
                 (gain < pol.abs_margin_ms + 1e-6)
                 | (gain < pol.rel_margin * got + 1e-6)
@@ -431,10 +447,6 @@ class _Agents:
         self.lost_bits = np.where(probed, lo, self.lost_bits)
         self.last_reply = np.where(got, reply_at, self.last_reply)
 
-    def dead(self, now: float, dead_after_s: float) -> BoolArray:
-        """The prober's verdict: a peer that answered once and not for ``dead_after_s``."""
-        return np.asarray(np.isfinite(self.last_reply) & (now >= self.last_reply + dead_after_s))
-
 
 def simulate(
     topo: Topology,
@@ -498,7 +510,8 @@ def simulate(
     last_recompute = -np.inf
     next_round = probe_phase
     dead = np.zeros((n, n), dtype=bool)
-    next_dead = np.inf  # the earliest moment a live peer can be declared dead
+    waiting = np.zeros(0, dtype=np.intp)  # links whose dead timer runs (flat indices)
+    dead_at = np.zeros(0)
     eff_dirty = True
     eff = installed.next_hop
     scored: IntArray | None = None
@@ -541,20 +554,17 @@ def simulate(
             if (got & dead).any():  # a dead peer answered: alive again at once
                 dead = dead & ~got
                 eff_dirty = True
-            watch = np.isfinite(agents.last_reply) & ~dead
-            if watch.any():
-                next_dead = float(np.min(agents.last_reply[watch])) + cfg.dead_after_s
-        if next_dead <= now + 1e-9:
-            fresh_dead = agents.dead(now, cfg.dead_after_s)
-            if not np.array_equal(fresh_dead, dead):
+            # Only a link that did not answer this round can be declared dead before the
+            # next one (dead_after_s exceeds the probe interval): its timer is watched.
+            waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())
+            dead_at = agents.last_reply.ravel()[waiting] + cfg.dead_after_s
+        if waiting.size:
+            due = dead_at <= now + 1e-9
+            if due.any():
+                dead = dead.copy()
+                dead.ravel()[waiting[due]] = True
+                waiting, dead_at = waiting[~due], dead_at[~due]
                 eff_dirty = True
-            dead = fresh_dead
-            live_links = np.isfinite(agents.last_reply) & ~dead
-            next_dead = (
-                float(np.min(agents.last_reply[live_links])) + cfg.dead_after_s
-                if live_links.any()
-                else np.inf
-            )
 
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
         rows = np.flatnonzero(agents.next_check <= now + 1e-9)
@@ -756,6 +766,39 @@ def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
     np.fill_diagonal(w, 0.0)
     c = reduce_paths(nh, w)
     c[~np.eye(nh.shape[0], dtype=bool) & np.isfinite(c)] -= relay
+    return c
+
+
+def _sum_paths_cols(next_hop: IntArray, edge: FloatArray, cols: IntArray) -> FloatArray:
+    """``reduce_paths(next_hop, edge)[:, cols]`` (edges without NaN or -inf), walking only
+    those destinations: a path towards d follows column d of the next hops alone.
+    Pointer doubling as in :func:`meshopt.routing.tables.reduce_paths`."""
+    n, k = next_hop.shape[0], cols.size
+    target = np.broadcast_to(cols[None, :], (n, k))
+    rows = np.arange(n)[:, None]
+    sub = next_hop[:, cols]
+    reach = sub >= 0
+    jump = np.where(reach, sub, target)
+    val = np.asarray(edge[rows, jump], dtype=np.float64).copy()
+    val[rows == target] = 0.0
+    val[~reach] = math.inf
+    kk = np.arange(k)[None, :]
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2)))) + 1):
+        if (jump == target).all():
+            break
+        val = val + val[jump, kk]
+        jump = jump[jump, kk]
+    val[jump != target] = math.inf
+    return val
+
+
+def _true_cost_cols(truth: _Truth, nh: IntArray, relay: float, cols: IntArray) -> FloatArray:
+    """``_true_cost(truth, nh, relay)[:, cols]``, walking only those destinations."""
+    w = truth.cost + relay
+    np.fill_diagonal(w, 0.0)
+    c = _sum_paths_cols(nh, w, cols)
+    off = np.arange(nh.shape[0])[:, None] != cols[None, :]
+    c[off & np.isfinite(c)] -= relay
     return c
 
 

@@ -80,3 +80,36 @@ def test_json_reports_time_per_simulated_second_and_its_phases() -> None:
     assert set(perf["phase_s"]) == phases
     assert all(v is not None and v >= 0 for v in perf["phase_s"].values())
     assert sum(r.perf.phase_s.values()) <= r.runtime_s
+
+
+def test_scoring_only_the_changed_destinations_gives_the_full_walks_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fail-overs on lossy links change a few columns of the next hops; the tracker
+    walks only those. The report is the one full walks give."""
+    spec = "gen:geo:n=60,seed=2"
+    topo = load_topology(spec)
+    events = [parse_event(f"at=10s node={busiest_relay(spec)} down")]
+    cfg = SimConfig(duration_s=16.0, seed=5)
+    part = simulate(topo, events, cfg)
+    full_walk = engine._Tracker.score
+
+    def always_full(self: engine._Tracker, *args: Any, **kwargs: Any) -> None:
+        self._paths = None
+        full_walk(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine._Tracker, "score", always_full)
+    full = simulate(topo, events, cfg)
+    assert part.failovers > 0
+    assert figures(part) == figures(full)
+
+
+def test_path_sums_of_some_destinations_match_the_full_table() -> None:
+    topo = load_topology("gen:geo:n=80,seed=4")
+    cost = topology_costs(topo)
+    nh = compute_routes(cost, topo.names).next_hop.copy()
+    rng = np.random.default_rng(1)
+    nh[rng.integers(0, 80, 100), rng.integers(0, 80, 100)] = -1  # some broken entries
+    cols = np.array([0, 5, 17, 79, 42])
+    full = engine.reduce_paths(nh, cost)
+    assert np.array_equal(full[:, cols], engine._sum_paths_cols(nh, cost, cols))
