@@ -261,11 +261,8 @@ def _prober(dead_row: BoolArray) -> Callable[[int], bool | None]:
     return alive
 
 
-def _effective(
-    inst: Installed, backups: _Backups | None, dead: BoolArray, tunnel: BoolArray
-) -> tuple[IntArray, BoolArray]:
-    """Installed next hops after the agents' local fail-over, and the mask of entries
-    moved by it.
+class _InUse:
+    """The next hops in use: the installed ones after the agents' local fail-over.
 
     Every entry whose next hop the agent's prober declared dead goes through the agent's
     own rule (:func:`meshopt.agent.plan.next_hop_in_use`): to the backup the route set
@@ -273,37 +270,99 @@ def _effective(
     route: the destination's own tunnel. The backup is the controller's: in symmetric
     meshes the direct tunnel (one AllowedIPs set per destination, see the engine's route
     sets), otherwise the loop-free alternate of the best route (where the entry is the
-    best route) or the best route's next hop (where the policy kept another one).
+    best route) or the best route's next hop (where the policy kept another one). An
+    entry without a route (the controller found no path) is on the plain route too, with
+    nothing to fail over.
+
+    A dead timer firing (a false alarm on a lossy link, most of them at scale) touches
+    the entries of one row that use that peer: only those are evaluated again.
     """
-    n = inst.next_hop.shape[0]
-    # An entry without a route (the controller found no path) leaves the destination on
-    # the plain WireGuard route: its own tunnel, where there is one. No route, nothing
-    # to fail over.
-    unrouted = inst.next_hop == NO_ROUTE
-    nh = np.where(unrouted & tunnel, np.arange(n)[None, :], inst.next_hop)
-    none = np.zeros((n, n), dtype=bool)
-    rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
-    broken = ~unrouted & dead[rows, np.where(unrouted, rows, nh)]
-    np.fill_diagonal(broken, False)  # a node's own entry (it is never probed) has no backup
-    if not broken.any():
-        return nh, none  # nothing to fail over: the backups are not needed this round
-    backup = np.full((n, n), NO_ROUTE, dtype=np.int64)
-    if backups is not None and backups.enabled:
-        if backups.symmetric:
-            backup = np.where(backups.direct_ok, np.arange(n)[None, :], NO_ROUTE)
-        else:
-            best = backups.tables(np.flatnonzero(broken.any(axis=1)))
-            if best is not None and best.backup is not None:
-                backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
-    out = nh.copy()
-    for s, d in zip(*(x.tolist() for x in np.nonzero(broken)), strict=True):
-        b = int(backup[s, d])
-        via = next_hop_in_use(int(nh[s, d]), None if b == NO_ROUTE else b, _prober(dead[s]))
-        if via is None:  # withdrawn: the plain WireGuard route, if there is a tunnel
-            via = d if tunnel[s, d] else NO_ROUTE
-        out[s, d] = via
-    swap: BoolArray = out != nh
-    return out, swap
+
+    def __init__(self, inst: Installed, tunnel: BoolArray) -> None:
+        n = inst.next_hop.shape[0]
+        self.n = n
+        self.tunnel = tunnel
+        self.backups: _Backups | None = None
+        self.unrouted = inst.next_hop == NO_ROUTE
+        self.base = np.where(self.unrouted & tunnel, np.arange(n)[None, :], inst.next_hop)
+        self.eff = self.base.copy()
+        self.hop_changes = 0  # entries in use that changed
+        self.failovers = 0  # entries moved off their installed next hop by an agent
+
+    def install(self, inst: Installed, backups: _Backups | None, dead: BoolArray) -> IntArray:
+        """A route set arrived; the destinations (columns) whose hops in use changed."""
+        n = self.n
+        old = self.eff
+        self.backups = backups
+        self.unrouted = inst.next_hop == NO_ROUTE
+        self.base = np.where(self.unrouted & self.tunnel, np.arange(n)[None, :], inst.next_hop)
+        rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
+        broken = ~self.unrouted & dead[rows, np.where(self.unrouted, rows, self.base)]
+        np.fill_diagonal(broken, False)  # a node's own entry (never probed) has no backup
+        eff = self.base.copy()
+        ii, dd = np.nonzero(broken)
+        if ii.size:
+            eff[ii, dd] = self._fail_over(ii, dd, dead)
+            self.failovers += int((eff[ii, dd] != self.base[ii, dd]).sum())
+        changed = eff != old
+        self.hop_changes += int(changed.sum())
+        self.eff = eff
+        return np.flatnonzero(changed.any(axis=0))
+
+    def links_changed(self, links: IntArray, dead: BoolArray) -> IntArray:
+        """Links (flat indices) declared dead or alive again; the columns that changed."""
+        n = self.n
+        ii_parts, dd_parts = [], []
+        for i, j in zip(*(x.tolist() for x in np.divmod(links, n)), strict=True):
+            dd = np.flatnonzero((self.base[i] == j) | (self.eff[i] == j))
+            ii_parts.append(np.full(dd.size, i))
+            dd_parts.append(dd)
+        if not ii_parts:
+            return np.zeros(0, dtype=np.intp)
+        ii, dd = np.concatenate(ii_parts), np.concatenate(dd_parts)
+        keep = ii != dd
+        ii, dd = ii[keep], dd[keep]
+        if ii.size == 0:
+            return np.zeros(0, dtype=np.intp)
+        base = self.base[ii, dd]
+        routed = ~self.unrouted[ii, dd]
+        hop_dead = dead[ii, np.where(base == NO_ROUTE, ii, base)] & routed & (base != NO_ROUTE)
+        new = base.copy()
+        if hop_dead.any():
+            new[hop_dead] = self._fail_over(ii[hop_dead], dd[hop_dead], dead)
+        old = self.eff[ii, dd]
+        moved = new != old
+        if not moved.any():
+            return np.zeros(0, dtype=np.intp)
+        self.hop_changes += int(moved.sum())
+        self.failovers += int((moved & (old == base) & (new != base)).sum())
+        self.eff = self.eff.copy()  # the tracker keeps the previous array
+        self.eff[ii[moved], dd[moved]] = new[moved]
+        return np.unique(dd[moved])
+
+    def _fail_over(self, ii: IntArray, dd: IntArray, dead: BoolArray) -> IntArray:
+        """The hop in use of entries (ii, dd) whose next hop is dead."""
+        n, bk = self.n, self.backups
+        backup = np.full(ii.size, NO_ROUTE, dtype=np.int64)
+        if bk is not None and bk.enabled:
+            if bk.symmetric:
+                backup = np.where(bk.direct_ok[ii, dd], dd, NO_ROUTE)
+            else:
+                best = bk.tables(np.unique(ii))
+                if best is not None and best.backup is not None:
+                    nh = best.next_hop[ii, dd]
+                    backup = np.where(self.base[ii, dd] == nh, best.backup[ii, dd], nh)
+        out = np.empty(ii.size, dtype=np.int64)
+        for k, (s, d) in enumerate(zip(ii.tolist(), dd.tolist(), strict=True)):
+            b = int(backup[k])
+            via = next_hop_in_use(
+                int(self.base[s, d]), None if b == NO_ROUTE else b, _prober(dead[s])
+            )
+            if via is None:  # withdrawn: the plain WireGuard route, if there is a tunnel
+                via = d if self.tunnel[s, d] else NO_ROUTE
+            out[k] = via
+        del n
+        return out
 
 
 @dataclass
@@ -321,7 +380,8 @@ class _Tracker:
     converged_at: float | None = None
     bad: BoolArray | None = None  # outside the margin at the last round scored
     _seen: tuple[_Truth, IntArray] | None = None
-    _paths: tuple[FloatArray, FloatArray] | None = None  # cost and variance of eff's paths
+    # eff's paths: cost, variance, broken, outside the margin (updated by column)
+    _paths: tuple[FloatArray, FloatArray, BoolArray, BoolArray] | None = None
 
     def score(
         self,
@@ -330,43 +390,38 @@ class _Tracker:
         now: float,
         pol: PolicyConfig,
         rel: float | None = None,
+        changed: IntArray | None = None,
     ) -> None:
+        """Score the routes in use now. ``eff`` is never changed after it was handed
+        in (a new array each time); ``changed``: its destinations (columns) that differ
+        from the last one scored, when the caller knows them."""
         n = eff.shape[0]
         cols: IntArray | None = None
         if self._seen is not None and self._seen[0] is truth:
-            cols = np.flatnonzero((self._seen[1] != eff).any(axis=0))
+            if changed is not None:
+                cols = changed
+            else:
+                cols = np.flatnonzero((self._seen[1] != eff).any(axis=0))
             if cols.size == 0:
+                self._seen = (truth, eff)
                 return  # same routes, same underlay: same verdict as last time
-        self._seen = (truth, eff.copy())
+        self._seen = (truth, eff)
         if cols is not None and cols.size <= n // 4 and self._paths is not None:
             # A path towards d reads column d of the next hops only: walk just the
             # destinations whose column changed (an agent's fail-over moves a few).
-            got, path_var = self._paths
+            got, path_var, broken, bad = self._paths
             got[:, cols] = _true_cost_cols(truth, eff, truth.relay, cols)
             path_var[:, cols] = _sum_paths_cols(eff, truth.var, cols)
+            broken[:, cols], bad[:, cols] = _verdict(
+                truth, got[:, cols], path_var[:, cols], cols, pol, rel
+            )
         else:
             got = _true_cost(truth, eff, truth.relay)
             path_var = reduce_paths(eff, truth.var)
-            self._paths = (got, path_var)
-        opt = truth.optimum.cost
-        want = np.isfinite(opt) & ~np.eye(opt.shape[0], dtype=bool)
-        broken = want & ~np.isfinite(got)
-        # Converged: the policy would not move the pair to the optimum even with
-        # settled estimates of the truth: the gain misses the absolute margin, or
-        # the relative one (of the route in use, as the policy takes it), or is
-        # within the noise such estimates still have.
-        with np.errstate(invalid="ignore"):  # inf - inf where a pair is unreachable anyway
-            gain = got - opt
-            noise = np.sqrt(path_var + truth.optimum_var)
-            close = (
-                (gain < pol.abs_margin_ms + 1e-6)
-                | (gain < pol.rel_margin * got + 1e-6)
-                | (gain <= pol.noise_sigmas * noise + 1e-6)
-            )
-            if rel is not None:
-                close = (gain < pol.abs_margin_ms) | (got <= opt * (1.0 + rel) + 1e-6)
-        bad = want & (broken | ~close)
-        self.bad = bad
+            every = np.arange(n)
+            broken, bad = _verdict(truth, got, path_var, every, pol, rel)
+            self._paths = (got, path_var, broken, bad)
+        self.bad = bad  # updated in place by later scores: copied when an event keeps it
         moved = bad if self.leftover is None else (bad & ~self.leftover) | broken
         elapsed = now - self.result.at_s
         res = self.result
@@ -437,15 +492,21 @@ class _Agents:
             next_check=first_check.copy(),
         )
 
-    def probe(self, probed: BoolArray, got: BoolArray, reply_at: FloatArray) -> None:
+    def probe(self, probed: BoolArray | None, got: BoolArray, reply_at: FloatArray) -> None:
+        """One probe round: ``probed`` links sent one (None: all), ``got`` answered."""
         mask = np.uint64((1 << self.window) - 1) if self.window < 64 else np.uint64(2**64 - 1)
         one = np.uint64(1)
-        self.sent += probed
         g = (self.got_bits << one) & mask | got.astype(np.uint64)
-        lo = (self.lost_bits << one) & mask | (probed & ~got).astype(np.uint64)
-        self.got_bits = np.where(probed, g, self.got_bits)
-        self.lost_bits = np.where(probed, lo, self.lost_bits)
-        self.last_reply = np.where(got, reply_at, self.last_reply)
+        if probed is None:
+            self.sent += 1
+            lo = (self.lost_bits << one) & mask | (~got).astype(np.uint64)
+            self.got_bits, self.lost_bits = g, lo
+        else:
+            self.sent += probed
+            lo = (self.lost_bits << one) & mask | (probed & ~got).astype(np.uint64)
+            self.got_bits = np.where(probed, g, self.got_bits)
+            self.lost_bits = np.where(probed, lo, self.lost_bits)
+        np.copyto(self.last_reply, reply_at, where=got)
 
 
 def simulate(
@@ -501,9 +562,7 @@ def simulate(
     installed = _direct(topo)
     backups: _Backups | None = None
     to_install: list[tuple[float, Installed, _Backups | None]] = []
-    was_swapped = np.zeros((n, n), dtype=bool)
     changes = np.zeros((n, n), dtype=np.int64)
-    failovers = 0
     decisions = 0
     first_seen: float | None = None
     dirty_since: float | None = None
@@ -512,10 +571,12 @@ def simulate(
     dead = np.zeros((n, n), dtype=bool)
     waiting = np.zeros(0, dtype=np.intp)  # links whose dead timer runs (flat indices)
     dead_at = np.zeros(0)
-    eff_dirty = True
-    eff = installed.next_hop
+    use = _InUse(installed, tunnel)
+    hop_changes = 0
+    flips: list[IntArray] = []  # links declared dead or alive again since the last look
+    fresh_routes = False
+    eff = use.eff
     scored: IntArray | None = None
-    prev_eff = eff
     gains: GainSummary | None = None
     start = _Tracker(EventResult(event="start", at_s=0.0))
     tracker = start
@@ -533,7 +594,10 @@ def simulate(
             t0 = clock()
             truth = _truth(live, node_up, metric, cfg.symmetric, est)
             phase["truth"] += clock() - t0
-            tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s), leftover=tracker.bad)
+            tracker = _Tracker(
+                EventResult(event=ev.text, at_s=ev.at_s),
+                leftover=None if tracker.bad is None else tracker.bad.copy(),
+            )
             results.append(tracker.result)
             truth_moved = True
 
@@ -548,12 +612,13 @@ def simulate(
             noise = rng.standard_normal((n, n)) * truth.sigma
             lost = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
             sample = np.maximum(truth.rtt + noise, 0.0)
-            est.update(sample, lost, probed)
+            every = bool(up.all())  # every agent runs: no mask to apply (the common case)
+            est.update(sample, lost, None if every else probed)
             got = probed & ~lost
-            agents.probe(probed, got, sent_at + sample / 1000.0)
+            agents.probe(None if every else probed, got, sent_at + sample / 1000.0)
             if (got & dead).any():  # a dead peer answered: alive again at once
+                flips.append(np.flatnonzero((got & dead).ravel()))
                 dead = dead & ~got
-                eff_dirty = True
             # Only a link that did not answer this round can be declared dead before the
             # next one (dead_after_s exceeds the probe interval): its timer is watched.
             waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())
@@ -563,8 +628,8 @@ def simulate(
             if due.any():
                 dead = dead.copy()
                 dead.ravel()[waiting[due]] = True
+                flips.append(waiting[due])
                 waiting, dead_at = waiting[~due], dead_at[~due]
-                eff_dirty = True
 
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
         rows = np.flatnonzero(agents.next_check <= now + 1e-9)
@@ -615,20 +680,25 @@ def simulate(
 
         while to_install and to_install[0][0] <= now + 1e-9:
             _, installed, backups = to_install.pop(0)
-            eff_dirty = True
+            fresh_routes = True
 
         t0 = clock()
-        if eff_dirty:
-            eff, swapped = _effective(installed, backups, dead, tunnel)
-            eff = eff if eff is not installed.next_hop else eff.copy()
-            tracker.result.hop_changes += int((eff != prev_eff).sum())
-            prev_eff = eff
-            failovers += int((swapped & ~was_swapped).sum())
-            was_swapped = swapped
-            eff_dirty = False
+        cols: IntArray | None = None
+        if fresh_routes:
+            cols = use.install(installed, backups, dead)
+            fresh_routes = False
+            flips = []
+        elif flips:
+            cols = use.links_changed(np.concatenate(flips), dead)
+            flips = []
+        eff = use.eff
+        tracker.result.hop_changes += use.hop_changes - hop_changes
+        hop_changes = use.hop_changes
         t1 = clock()
         if truth_moved or scored is not eff:
-            tracker.score(truth, eff, now, cfg.policy, cfg.converge_rel)
+            tracker.score(
+                truth, eff, now, cfg.policy, cfg.converge_rel, None if truth_moved else cols
+            )
             scored = eff
         phase["failover"] += t1 - t0
         phase["score"] += clock() - t1
@@ -671,7 +741,7 @@ def simulate(
         route_changes=int(changes.sum()),
         changes_per_route_hour=float(changes.sum()) / max(routes, 1) / (cfg.duration_s / 3600),
         max_changes_pair=[(topo.names[i], topo.names[j], c) for c, i, j in flappers],
-        failovers=failovers,
+        failovers=use.failovers,
         runtime_s=runtime,
         initial_converge_s=start.converged_at,
         initial_suboptimal_pairs=start.result.suboptimal_pairs,
@@ -767,6 +837,40 @@ def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
     c = reduce_paths(nh, w)
     c[~np.eye(nh.shape[0], dtype=bool) & np.isfinite(c)] -= relay
     return c
+
+
+def _verdict(
+    truth: _Truth,
+    got: FloatArray,
+    path_var: FloatArray,
+    cols: IntArray,
+    pol: PolicyConfig,
+    rel: float | None,
+) -> tuple[BoolArray, BoolArray]:
+    """(broken, outside the margin) of the paths in use towards ``cols``, given their
+    cost ``got`` and variance ``path_var`` (columns ``cols`` of the full matrices).
+
+    Converged: the policy would not move the pair to the optimum even with settled
+    estimates of the truth: the gain misses the absolute margin, or the relative one (of
+    the route in use, as the policy takes it), or is within the noise such estimates
+    still have; with ``rel``, the lab's reading instead (within ``rel`` of the optimum
+    or less than the absolute margin above it)."""
+    opt = truth.optimum.cost[:, cols]
+    want = np.isfinite(opt) & (np.arange(got.shape[0])[:, None] != cols[None, :])
+    broken = want & ~np.isfinite(got)
+    with np.errstate(invalid="ignore"):  # inf - inf where a pair is unreachable anyway
+        gain = got - opt
+        if rel is not None:
+            close = (gain < pol.abs_margin_ms) | (got <= opt * (1.0 + rel) + 1e-6)
+        else:
+            noise = np.sqrt(path_var + truth.optimum_var[:, cols])
+            close = (
+                (gain < pol.abs_margin_ms + 1e-6)
+                | (gain < pol.rel_margin * got + 1e-6)
+                | (gain <= pol.noise_sigmas * noise + 1e-6)
+            )
+    bad: BoolArray = want & (broken | ~close)
+    return np.asarray(broken), bad
 
 
 def _sum_paths_cols(next_hop: IntArray, edge: FloatArray, cols: IntArray) -> FloatArray:
