@@ -1,34 +1,54 @@
-"""The simulation loop: a pure function of (topology, events, config, seed).
+"""The simulation loop: a pure function of (topology, events, config, seed), driven by
+simulated time, that runs the controller's and the agents' own code.
 
-Time advances in probe rounds of ``probe_interval_s``. In the round at time t:
+Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does it:
 
-1. events due at t change the underlay (the ground truth);
-2. every ``recompute_s`` the controller turns the agents' estimates into link
-   costs, computes best routes (with backups) and lets the anti-flap policy
-   decide what to install;
-3. an agent whose next hop has stopped answering fails over to its backup next
-   hop at once (local fail-over, between recomputes);
-4. the routes in use are scored against the ground truth, which is how
-   convergence and outage times are measured;
-5. one probe per tunnel direction is drawn from the underlay as it is at t
-   (normal noise with the link's jitter as standard deviation, as in topology
-   files and the lab's shaper; losses from its loss) and fed to the per-link
-   estimator the agents run (:mod:`meshopt.sim.estimator`).
+1. events due change the underlay (the ground truth);
+2. every ``probe_interval_s`` (the agent's 0.33 s) one probe per tunnel direction is
+   drawn from the underlay (normal noise with the link's jitter as standard deviation,
+   as in topology files and the lab's shaper; losses from its loss) and fed to the
+   agents' estimator (:class:`meshopt.sim.estimator.LinkEstimator`, the agent's
+   :mod:`meshopt.estimate` rules vectorised, robust outlier rule included) and the
+   prober's window (loss and samples over the last 64 probes). A peer that has not
+   answered for ``dead_after_s`` (0.8 s) is declared dead at that moment, as the
+   prober's timer does; an agent not started yet neither probes nor answers;
+3. each agent checks its telemetry every second (the agent's ``check_interval_s``): the
+   peers whose report moved by the agent's own rule
+   (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
+   snapshot every :func:`~meshopt.agent.telemetry.full_interval`;
+4. the controller recomputes after its debounce once input arrived and its warm-up rule
+   passes (:func:`meshopt.controller.view.warmed_up`): the agents' last telemetry priced
+   by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
+   by :meth:`meshopt.controller.engine.RouteEngine.decide` (routes, the degradation
+   release, the anti-flap policy) with the start-up policy
+   (:func:`meshopt.controller.engine.startup_policy`); the routes reach the agents
+   ``install_s`` later. Above 300 nodes recomputes are at least ``recompute_s`` apart;
+5. an agent whose next hop was declared dead fails over by the agent's own rule
+   (:func:`meshopt.agent.plan.next_hop_in_use`) to the backup the route set carries, or
+   withdraws the route (the plain WireGuard route: the direct tunnel);
+6. the routes in use are scored against the ground truth whenever they or the truth
+   change, which is how convergence and outage times are measured (to the tick).
 
-So a decision at t only knows probes sent before t: a change at t is seen
-one round later at the earliest, never in the round it happens (a probe takes
-its RTT to come back). Before the controller's first decision the mesh uses
-what WireGuard gives without it: every pair over its own tunnel, if it has one;
-those routes were not chosen by the policy, so they are not held.
+Agents start at ``boot_s`` plus up to ``boot_spread_s`` (the lab's agents take seconds
+to come up); before the controller's first decision the mesh uses what WireGuard gives
+without it: every pair over its own tunnel, if it has one. Route changes are counted
+from the second decision on: the first install is not a change.
 
-A pair is *converged* when the policy would have no reason to move it to the
-optimum for the ground truth even with settled estimates: the gain misses the
-absolute or relative margin, or is within the noise that settled estimates keep
-(``noise_sigmas`` times their standard deviation). Convergence time is when every
-pair first reached that state and stayed there until the next event (or the end);
-after an event, pairs that were already outside the margin when it came are left
-out of that (unless the event cuts them): they are the previous interval's, and
-still counted in ``suboptimal_pairs``.
+A pair is *converged* when the policy would have no reason to move it to the optimum
+for the ground truth even with settled estimates: the gain misses the absolute or
+relative margin, or is within the noise that settled estimates keep (``noise_sigmas``
+times their standard deviation); ``converge_rel`` judges as the lab's readings do
+instead. Convergence time is when every pair first reached that state and stayed there
+until the next event (or the end); after an event, pairs that were already outside the
+margin when it came are left out of that (unless the event cuts them): they are the
+previous interval's, and still counted in ``suboptimal_pairs``.
+
+Not modelled: WireGuard handshakes (a lost first handshake retried after 5 s), the
+first probe's handshake delay (the agent drops it from the third sample on), CPU time
+(the controller's recompute and the agents' work take none), the controller's batching
+of routine snapshots, the relay-hop forwarding delay beyond the metric's 0.1 ms, the
+controller's sticky backups in meshes that are not symmetric (the plain loop-free
+alternate is the backup), bulk routes.
 """
 
 from __future__ import annotations
