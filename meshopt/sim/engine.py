@@ -654,7 +654,7 @@ def simulate(
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
         rows = np.flatnonzero(agents.next_check <= now + 1e-9)
         if rows.size:
-            _report(agents, est, dead, rows, now, tel, off)
+            _report(agents, est, dead, rows, now, tel, tunnel)
             if first_seen is None:
                 first_seen = now
             dirty_since = now if dirty_since is None else dirty_since
@@ -783,7 +783,7 @@ def _report(
     rows: IntArray,
     now: float,
     tel: TelemetrySettings,
-    off: BoolArray,
+    tunnel: BoolArray,
 ) -> None:
     """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
     (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
@@ -801,9 +801,9 @@ def _report(
         a.pub_alive[rows], alive, a.pub_rtt[rows], rtt,
         a.pub_samples[rows], got, a.pub_loss[rows], loss, tel,
     )  # fmt: skip
-    peers = int(off[0].sum())
-    full = (now - a.last_full[rows] >= full_interval(peers, tel) - 1e-9)[:, None]
-    take = (moved | full) & off[rows]
+    every = np.array([full_interval(int(k), tel) for k in tunnel[rows].sum(axis=1)])
+    full = (now - a.last_full[rows] >= every - 1e-9)[:, None]
+    take = (moved | full) & tunnel[rows]
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
