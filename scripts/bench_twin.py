@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from meshopt.bench.twin import TOPOLOGIES, Timeline, bench
+from meshopt.bench.twin import TOPOLOGIES, Timeline, bench, table
 from meshopt.sim.report import json_safe
 
 
@@ -38,6 +38,8 @@ def main() -> int:
         progress=lambda m: print(m, file=sys.stderr, flush=True),
     )
     print(json.dumps(json_safe(out), indent=1))
+    if not args.sim_only:
+        print(table(out), file=sys.stderr)
     return 0
 
 

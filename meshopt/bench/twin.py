@@ -533,3 +533,42 @@ def _strip(d: Any) -> Any:
     if isinstance(d, list):
         return [_strip(v) for v in d]
     return d
+
+
+def table(out: dict[str, Any]) -> str:
+    """The comparison as a Markdown table (simulated / measured, goal met or not)."""
+
+    def f(x: Any) -> str:
+        if x is None:
+            return "-"
+        return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+    def ok(x: Any) -> str:
+        return {True: "yes", False: "**no**", None: "-"}[x]
+
+    lines = [
+        "| topology | event | outage s sim / lab | ok | convergence s sim / lab | ok "
+        "| changes sim / lab (tol) | ok | final routes same | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in out["topologies"]:
+        c = t.get("compare")
+        if c is None:
+            continue
+        ini = c["initial_converge_s"]
+        lines.append(
+            f"| {t['topology']} | first routes | | | {f(ini['sim'])} / {f(ini['lab'])} "
+            f"| {ok(ini['ok'])} | | | | |"
+        )
+        for name in ("degradation", "relay_failure", "jitter"):
+            r = c.get(name)
+            if r is None:
+                continue
+            o, v, ch, fr = r["outage_s"], r["converge_s"], r["changes"], r["final_routes_same"]
+            lines.append(
+                f"| {t['topology']} | {name} | {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
+                f"| {f(v['sim'])} / {f(v['lab'])} | {ok(v['ok'])} "
+                f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {ok(ch['ok'])} "
+                f"| {f(fr['share'])} | {ok(fr['ok'])} |"
+            )
+    return "\n".join(lines)
