@@ -159,9 +159,7 @@ def test_a_recent_change_is_held_until_the_hold_time_ends() -> None:
     80 s it is fast again, so via c wins again, but a->b changed ~9 s ago: the policy
     holds it until 30 s after that change (no path failed)."""
     topo = load_topology(str(TOPOLOGIES / "triangle.yaml"))
-    r = run(
-        topo, "at=70s link=a-c delay=50ms", "at=80s link=a-c delay=10ms", duration_s=120.0
-    )
+    r = run(topo, "at=70s link=a-c delay=50ms", "at=80s link=a-c delay=10ms", duration_s=120.0)
     slow, back = r.events
     assert slow.converge_s is not None and slow.converge_s <= REACT[1]
     assert slow.route_changes == 2
