@@ -241,7 +241,7 @@ class _Backups:
         self.direct_ok = np.isfinite(cost)  # the route sets' backup in symmetric meshes
         self._cost: FloatArray | None = cost if enabled else None
         self._relay = relay
-        self._inputs: tuple[FloatArray, FloatArray] | None = None  # dist, weights
+        self._inputs: tuple[FloatArray, FloatArray, FloatArray] | None = None  # dist, w, dist.T
         self._done = np.zeros(best.n, dtype=bool)  # rows of best.backup computed so far
         self.computed = False
         self.took_s = 0.0
@@ -259,10 +259,13 @@ class _Backups:
             return self.best
         t0 = time.perf_counter()
         if self._inputs is None:
-            self._inputs = backup_inputs(self.best, self._cost, relay_hop_ms=self._relay)
-        dist, weights = self._inputs
+            dist, weights = backup_inputs(self.best, self._cost, relay_hop_ms=self._relay)
+            self._inputs = dist, weights, np.ascontiguousarray(dist.T)
+        dist, weights, dist_t = self._inputs
         every = need.size == self.best.n
-        fresh = backup_next_hops(dist, weights, self.best.next_hop, None if every else need)
+        fresh = backup_next_hops(
+            dist, weights, self.best.next_hop, None if every else need, dist_t=dist_t
+        )
         if self.best.backup is not None:
             fresh[self._done] = self.best.backup[self._done]  # keep the earlier rows
         self.best = replace(self.best, backup=fresh, dist=dist)
