@@ -10,7 +10,7 @@ simulated second, and the figures of the report a user would look at.
 
     .venv/bin/python scripts/bench_sim.py                 # n = 100, 300, 1000; 60 s each
     .venv/bin/python scripts/bench_sim.py --sizes 1000 --duration 120
-    .venv/bin/python scripts/bench_sim.py --quick         # n = 50, 10 s (a smoke run)
+    .venv/bin/python scripts/bench_sim.py --quick         # n = 50, 20 s (a smoke run)
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run(n: int, duration_s: float, seed: int) -> dict[str, Any]:
         "simulated_s": duration_s,
         "wall_s": round(wall, 2),
         "wall_per_simulated_s": round(wall / duration_s, 3),
-        "recompute_s": SimConfig().recompute_interval(n),
+        "recompute_s": SimConfig().recompute_gap(n),
         "initial_converge_s": report.initial_converge_s,
         "initial_suboptimal_routes": report.initial_suboptimal_pairs,
         "relayed_pairs": report.gains.relayed,
@@ -78,9 +78,9 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100, 300, 1000])
     ap.add_argument("--duration", type=float, default=60.0, help="simulated seconds")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="n = 50 for 10 s")
+    ap.add_argument("--quick", action="store_true", help="n = 50 for 20 s")
     args = ap.parse_args()
-    sizes, duration = ([50], 10.0) if args.quick else (args.sizes, args.duration)
+    sizes, duration = ([50], 20.0) if args.quick else (args.sizes, args.duration)
     out = {
         "machine": {
             "python": platform.python_version(),

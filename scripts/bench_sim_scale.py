@@ -3,12 +3,13 @@
 
 For each size: ``gen:geo:n=N,seed=1``, ``--duration`` simulated seconds with one event
 half way (the node that relays the most optimal routes goes down, so fail-over and the
-backups are exercised), default configuration (probe every 250 ms, recompute every 5 s
-above 300 nodes). Each run is its own process (its peak RSS is the run's); the figures
-are medians over ``--repeat`` runs: wall seconds per simulated second, the wall time of
-each phase (meshopt.sim.report.SimPerf), and peak RSS. CPU seconds per simulated second
-are reported too: on a shared machine they move less with other people's load than
-wall time does.
+backups are exercised), default configuration (the agents' probes every 330 ms and
+0.8 s dead timer, 0.05 s ticks, recomputes at least 5 s apart above 300 nodes). Each
+run is its own process (its peak RSS is the run's); the figures are medians over
+``--repeat`` runs: wall seconds per simulated second, the wall time of each phase
+(meshopt.sim.report.SimPerf), and peak RSS. CPU seconds per simulated second are
+reported too: on a shared machine they move less with other people's load than wall
+time does.
 
 ``--baseline`` also runs the engine as it was before backups were computed on demand
 (at every recompute), side by side, with the same seeds; both must give the same

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from meshopt.agent.peers import PeerInfo
 from meshopt.agent.probeaddr import probe_prefix
@@ -27,6 +28,7 @@ from meshopt.install.model import DesiredRoute
 from meshopt.wireguard.model import DeviceUpdate, PeerUpdate, normalize_allowed_ips
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,19 @@ def _attrs(r: Route) -> dict[str, object]:
     }
 
 
+def next_hop_in_use(via: K, backup: K | None, alive: Callable[[K], bool | None]) -> K | None:
+    """Local fail-over, the rule for one route: its next hop ``via`` while the prober has
+    not declared it dead; then its ``backup`` if there is one (another peer) not declared
+    dead either; else None: the route is withdrawn and traffic takes the plain WireGuard
+    route to the destination. (The simulator calls this for every entry whose next hop
+    died, with node indices for keys.)"""
+    if alive(via) is not False:
+        return via
+    if backup is not None and backup != via and alive(backup) is not False:
+        return backup
+    return None
+
+
 def plan_node(
     routes: Sequence[Route],
     peers: Mapping[str, PeerInfo],
@@ -118,10 +133,8 @@ def plan_node(
             continue
         assert net is not None
         seen.add((r.table, str(net)))
-        via: str | None = r.via
-        if alive(r.via) is False:
-            backup = r.backup if r.backup in peers and r.backup != r.via else None
-            via = backup if backup is not None and alive(backup) is not False else None
+        via = next_hop_in_use(r.via, r.backup if r.backup in peers else None, alive)
+        if via != r.via:
             out.failovers.append(FailOver(str(net), r.table, r.via, via))
         if via is None:
             continue

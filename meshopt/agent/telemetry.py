@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.peers import PeerInfo
@@ -91,24 +91,53 @@ def _probe_class(rate: Rate | None) -> Literal["in_use", "idle"] | None:
     return "idle" if rate.cls == IDLE else None
 
 
+def reports_moved(
+    old_alive: Any,
+    new_alive: Any,
+    old_rtt: Any,
+    new_rtt: Any,
+    old_samples: Any,
+    new_samples: Any,
+    old_loss: Any,
+    new_loss: Any,
+    cfg: TelemetrySettings,
+) -> Any:
+    """Whether a peer's report moved enough since it was last published to tell now.
+
+    Written with operators only, so it takes plain numbers (the agent, through
+    :func:`peer_changed`) or numpy arrays of any shape (the simulator, every link at
+    once) without the agent importing numpy: ``alive`` as 1/0/-1 (unknown), RTT NaN
+    where not reported, loss 0 where not reported.
+    """
+    has_old = old_rtt == old_rtt  # not NaN
+    has_new = new_rtt == new_rtt
+    both = has_old & has_new
+    step = abs(new_rtt - old_rtt)
+    rtt_step = both & (step >= cfg.rtt_change_ms) & (step >= cfg.rtt_change_rel * old_rtt)
+    # A young estimate is told again each time its samples double (up to 16): the
+    # controller routes on three, and the policy weighs a gain against their noise,
+    # which shrinks fast; a 5 s snapshot would hold the first routes back.
+    young = both & (old_samples < 16) & (new_samples >= 2 * old_samples) & (new_samples >= 2)
+    dl = abs(new_loss - old_loss)
+    loss = (dl != 0) & (dl >= cfg.loss_change)
+    return (old_alive != new_alive) | (has_old != has_new) | rtt_step | young | loss
+
+
 def peer_changed(o: PeerReport, n: PeerReport, cfg: TelemetrySettings) -> bool:
     """True when one peer's report moved enough since it was last published to tell now."""
-    if o.alive != n.alive:
-        return True
-    if (o.rtt_ms is None) != (n.rtt_ms is None):
-        return True
-    if o.rtt_ms is not None and n.rtt_ms is not None:
-        step = abs(n.rtt_ms - o.rtt_ms)
-        if step >= cfg.rtt_change_ms and step >= cfg.rtt_change_rel * o.rtt_ms:
-            return True
-        # A young estimate is told again each time its samples double (up to 16): the
-        # controller routes on three, and the policy weighs a gain against their noise,
-        # which shrinks fast; a 5 s snapshot would hold the first routes back.
-        if o.samples < 16 and n.samples >= 2 * max(o.samples, 1):
-            return True
-    return (o.loss or 0.0) != (n.loss or 0.0) and abs(
-        (n.loss or 0.0) - (o.loss or 0.0)
-    ) >= cfg.loss_change
+    return bool(
+        reports_moved(
+            -1 if o.alive is None else int(o.alive),
+            -1 if n.alive is None else int(n.alive),
+            math.nan if o.rtt_ms is None else o.rtt_ms,
+            math.nan if n.rtt_ms is None else n.rtt_ms,
+            o.samples,
+            n.samples,
+            o.loss or 0.0,
+            n.loss or 0.0,
+            cfg,
+        )
+    )
 
 
 def changed_peers(

@@ -62,9 +62,9 @@ from meshopt.bus.signing import (
 )
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
-from meshopt.controller.engine import Computed, RouteEngine
+from meshopt.controller.engine import Computed, RouteEngine, startup_policy
 from meshopt.controller.lease import LeaseKeeper, check_lease
-from meshopt.controller.view import MeshView, TelemetryRefused
+from meshopt.controller.view import MeshView, TelemetryRefused, warmed_up
 
 log = logging.getLogger("meshopt.controller")
 
@@ -409,9 +409,12 @@ class ControllerCore:
             return False
         # The clock first: ``ready`` checks every link's samples (62,000 at 250 nodes),
         # a third of the controller's CPU when asked on every tick.
-        first = self.view.first_seen
-        warm = first is not None and now - first >= self.cfg.warmup_s
-        return warm or self.view.ready(now, self.cfg.warmup_s, self.cfg.warmup_samples)
+        return warmed_up(
+            self.view.first_seen,
+            now,
+            self.cfg.warmup_s,
+            lambda: self.view.measured(self.cfg.warmup_samples),
+        )
 
     def recompute_now(
         self, now: float, wall: float, *, clear: bool = True, signed: bool = True
@@ -449,17 +452,13 @@ class ControllerCore:
         it went out is never signed), most urgent first."""
         if not self.view.nodes:
             return []
-        policy = None
-        first = self.view.first_seen
-        if first is not None and now - first < self.cfg.startup_s:
-            # The first routes rest on young estimates: let better ones replace them
-            # after a short hold and a short confirm time instead of the full ones.
-            pol = self.engine.policy
-            policy = dataclasses.replace(
-                pol,
-                hold_s=min(pol.hold_s, self.cfg.startup_hold_s),
-                confirm_s=min(pol.confirm_s, self.cfg.startup_hold_s),
-            )
+        policy = startup_policy(
+            self.engine.policy,
+            self.view.first_seen,
+            now,
+            self.cfg.startup_s,
+            self.cfg.startup_hold_s,
+        )
         c = self.engine.compute(self.view, now, policy)
         self.last = c
         self.recomputes += 1

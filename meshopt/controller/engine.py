@@ -30,6 +30,7 @@ the simulator predicts is what the controller does.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -114,6 +115,25 @@ def direct_installed(cost: FloatArray) -> Installed:
     return Installed(next_hop=nh, since=np.full((n, n), -np.inf))
 
 
+def startup_policy(
+    policy: PolicyConfig,
+    first_seen: float | None,
+    now: float,
+    startup_s: float,
+    startup_hold_s: float,
+) -> PolicyConfig | None:
+    """The policy for the start-up phase (``startup_s`` after the first telemetry), None
+    after it: the first routes rest on young estimates, so better ones replace them
+    after a short hold and a short confirm time instead of the full ones."""
+    if first_seen is None or now - first_seen >= startup_s:
+        return None
+    return dataclasses.replace(
+        policy,
+        hold_s=min(policy.hold_s, startup_hold_s),
+        confirm_s=min(policy.confirm_s, startup_hold_s),
+    )
+
+
 class RouteEngine:
     def __init__(
         self,
@@ -142,7 +162,7 @@ class RouteEngine:
         # compute) and Computed.dropped's reasons; the first of each reason is logged.
         self.counters = Counters("controller left routes out", log)
 
-    def _routes(self, names: list[str], cost: FloatArray) -> RouteTables:
+    def _routes(self, names: list[str], cost: FloatArray, backups: bool = True) -> RouteTables:
         weights = _symmetrize(cost) if self.symmetric else cost
         if self._inc is None or names != self._inc.tables.names:
             self._inc = IncrementalRoutes(
@@ -168,6 +188,8 @@ class RouteEngine:
                     self._inc.update_link(i, j, float(weights[i, j]))
                 self.stats["incremental"] += 1
                 self.stats["links_updated"] += len(pairs)
+        if not backups:
+            return self._inc.tables
         return add_backups(self._inc.tables, cost, relay_hop_ms=self.relay_hop_ms)
 
     def adopt(self, view: MeshView, route_sets: Mapping[str, RouteSet], now: float) -> None:
@@ -227,9 +249,19 @@ class RouteEngine:
                 )
             self._tuning[(names[s], names[d], r.dst)] = _Tuned(len(walk) - 1, pmtu, rtt, bw, t)
 
-    def compute(self, view: MeshView, now: float, policy: PolicyConfig | None = None) -> Computed:
-        """One decision; ``policy`` overrides the engine's (e.g. a short start-up hold)."""
-        m = view.matrices(now)
+    def decide(
+        self,
+        m: Matrices,
+        now: float,
+        policy: PolicyConfig | None = None,
+        *,
+        backups: bool = True,
+    ) -> tuple[RouteTables, Decision, BoolArray, Installed]:
+        """The engine's decision on the routing matrices alone (no view, no route sets):
+        (best routes, the policy's decision, entries released from their hold because
+        their path got far worse, the installed routes before). :meth:`compute` builds
+        the route sets from it; the simulator calls it with matrices of simulated
+        telemetry (``backups=False``: it computes the rows fail-over needs itself)."""
         names = m.names
         if self.installed is None:
             self.installed = direct_installed(m.cost)
@@ -242,7 +274,7 @@ class RouteEngine:
             moved.next_hop = np.where(fresh, direct.next_hop, moved.next_hop)
             self.installed = moved
         self.names = names
-        best = self._routes(names, m.cost)
+        best = self._routes(names, m.cost, backups)
         before = self.installed
         released = degraded(before, best, m.cost, self.relay_hop_ms, self.symmetric)
         dec = decide(
@@ -266,6 +298,13 @@ class RouteEngine:
         # A released entry the policy did not move keeps its hold.
         dec.installed.since = np.where(released & ~dec.changed, before.since, dec.installed.since)
         self.installed = dec.installed
+        return best, dec, released, before
+
+    def compute(self, view: MeshView, now: float, policy: PolicyConfig | None = None) -> Computed:
+        """One decision; ``policy`` overrides the engine's (e.g. a short start-up hold)."""
+        m = view.matrices(now)
+        names = m.names
+        best, dec, released, before = self.decide(m, now, policy)
         out = Computed(names=names, matrices=m, best=best, decision=dec)
         out.degraded = released & dec.changed
         pol = policy or self.policy

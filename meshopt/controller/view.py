@@ -28,12 +28,13 @@ import ipaddress
 import logging
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from meshopt.bus.messages import (
     COLUMNS,
@@ -335,6 +336,17 @@ class Matrices:
     jitter: FloatArray | None = None
 
 
+def warmed_up(
+    first_seen: float | None, now: float, warmup_s: float, measured: Callable[[], bool]
+) -> bool:
+    """The controller's warm-up rule: route once ``warmup_s`` have passed since the first
+    telemetry, or earlier once ``measured()`` says every link has enough samples (asked
+    only when the clock has not decided: it walks every link)."""
+    if first_seen is None:
+        return False
+    return now - first_seen >= warmup_s or measured()
+
+
 class MeshView:
     def __init__(
         self,
@@ -539,9 +551,7 @@ class MeshView:
         yet (they cost ``unknown_cost_ms``), or on one or two samples, and the policy
         would then hold those choices for ``hold_s``.
         """
-        if self.first_seen is None:
-            return False
-        return self.measured(min_samples) or now - self.first_seen >= warmup_s
+        return warmed_up(self.first_seen, now, warmup_s, lambda: self.measured(min_samples))
 
     def set_offline(self, node: str, reason: str) -> bool:
         info = self.nodes.get(node)
@@ -612,26 +622,12 @@ class MeshView:
             d = dst[ok]
             r = a.rtt[ok]
             jit = np.nan_to_num(a.jitter[ok], nan=0.0)
-            p = handshake_loss_discounted(
-                np.minimum(np.nan_to_num(a.loss[ok], nan=0.0), 1.0), a.samples[ok], a.sent[ok]
-            )
-            nz = np.nan_to_num(a.noise[ok], nan=0.0)
             age = max(0.0, now - info.last_seen)
-            c = m.link_costs(r, jit, p, np.full(len(r), age))
-            # As link_cost: the loss estimate's noise (a window of n probes) through the
-            # loss penalty, and a quarter of the jitter term.
-            q = np.maximum(1.0 - p, 1e-3)
-            samples = np.maximum(a.samples[ok], 1.0) / q
-            loss_sd = np.sqrt(p * (1.0 - p) / samples)
-            slope = m.loss_penalty_ms / q**2
-            jsd = jitter_noise_ms(m.jitter_weight * jit, a.samples[ok])
-            sd = np.sqrt(nz**2 + (slope * loss_sd) ** 2 + jsd**2)
+            c, sd, term = link_matrices(
+                m, r, jit, a.loss[ok], a.noise[ok], a.samples[ok], a.sent[ok],
+                a.alive[ok] == 0, np.full(len(r), age),
+            )  # fmt: skip
             unknown = np.isnan(r)
-            c = np.where(unknown, m.unknown_cost_ms, c)
-            sd = np.where(unknown, 0.0, sd)
-            dead = a.alive[ok] == 0
-            c = np.where(dead, np.inf, c)
-            sd = np.where(dead, 0.0, sd)
             cost[s, d] = c
             noise[s, d] = sd
             finite = np.isfinite(c)
@@ -640,12 +636,56 @@ class MeshView:
             bw[s, d[has_bw]] = b[has_bw]
             has_rtt = finite & ~unknown
             rtt[s, d[has_rtt]] = r[has_rtt]
-            jterm[s, d[has_rtt]] = np.minimum(m.jitter_weight * jit[has_rtt], c[has_rtt])
+            jterm[s, d[has_rtt]] = term[has_rtt]
             pm = a.pmtu[ok]
             has_pm = ~np.isnan(pm)
             pmtu[s, d[has_pm]] = pm[has_pm]
         np.fill_diagonal(cost, 0.0)
         return Matrices(names, cost, noise, bw, up, rtt, pmtu, jterm)
+
+
+def link_matrices(
+    metric: Metric,
+    rtt: FloatArray,
+    jitter: FloatArray,
+    loss: FloatArray,
+    noise: FloatArray,
+    samples: FloatArray,
+    sent: FloatArray,
+    dead: npt.NDArray[np.bool_],
+    age_s: FloatArray,
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """(cost, its standard deviation, the jitter term inside the cost) of reported links,
+    any shape: what :meth:`MeshView.matrices` computes per node's row and the simulator
+    for the whole mesh at once (the one implementation of the controller's link price).
+
+    Inputs are the telemetry's fields as arrays: ``rtt`` NaN where not measured (the
+    link costs ``unknown_cost_ms``), ``jitter``, ``loss`` and ``noise`` NaN where not
+    reported, ``dead`` where the agent says the peer is dead (inf). The loss has the
+    young link's lost first probes forgiven (:func:`handshake_loss_discounted`); the
+    deviation combines the RTT estimate's noise, the loss estimate's (a window of n
+    probes, through the loss penalty) and the jitter term's (:func:`jitter_noise_ms`).
+    The jitter term is 0 where the RTT is unknown or the link dead.
+    """
+    m = metric
+    jit = np.nan_to_num(jitter, nan=0.0)
+    p = handshake_loss_discounted(np.minimum(np.nan_to_num(loss, nan=0.0), 1.0), samples, sent)
+    nz = np.nan_to_num(noise, nan=0.0)
+    c = m.link_costs(rtt, jit, p, age_s)
+    q = np.maximum(1.0 - p, 1e-3)
+    n = np.maximum(samples, 1.0) / q
+    loss_sd = np.sqrt(p * (1.0 - p) / n)
+    slope = m.loss_penalty_ms / q**2
+    jsd = jitter_noise_ms(m.jitter_weight * jit, samples)
+    sd = np.sqrt(nz**2 + (slope * loss_sd) ** 2 + jsd**2)
+    unknown = np.isnan(rtt)
+    c = np.where(unknown, m.unknown_cost_ms, c)
+    sd = np.where(unknown, 0.0, sd)
+    c = np.where(dead, np.inf, c)
+    sd = np.where(dead, 0.0, sd)
+    with np.errstate(invalid="ignore"):
+        term = np.where(np.isfinite(c) & ~unknown, np.minimum(m.jitter_weight * jit, c), 0.0)
+    return np.asarray(c, dtype=np.float64), np.asarray(sd, dtype=np.float64), term
 
 
 # The agents' default probe window: while a link has sent no more probes than this, its

@@ -75,6 +75,8 @@ def backup_next_hops(
     weights: FloatArray,
     next_hop: IntArray,
     sources: Sequence[int] | IntArray | None = None,
+    *,
+    dist_t: FloatArray | None = None,
 ) -> IntArray:
     """Loop-free alternate for every pair, from distances and the weights behind them.
 
@@ -84,7 +86,9 @@ def backup_next_hops(
     ``sources`` limits the work to those rows (source nodes): each row costs
     O(n²), so a caller needing a few rows (local fail-over) skips the O(n³)
     total. Computed rows equal the full computation's exactly; the other rows
-    are all ``NO_ROUTE``. None means every row.
+    are all ``NO_ROUTE``. None means every row. ``dist_t``: ``dist`` transposed, as a
+    C-contiguous array, for a caller asking for a few rows at a time of the same
+    tables (the transpose is the O(n²) part of each call).
     """
     n = dist.shape[0]
     if sources is None:
@@ -94,17 +98,21 @@ def backup_next_hops(
         if srcs.size and (srcs[0] < 0 or srcs[-1] >= n):
             raise InputError(f"backup sources must be row indices in [0, {n})")
     with np.errstate(over="ignore"):  # the _HUGE products overflow to inf on purpose
-        return _backup_next_hops(dist, weights, next_hop, srcs)
+        return _backup_next_hops(dist, weights, next_hop, srcs, dist_t)
 
 
 def _backup_next_hops(
-    dist: FloatArray, weights: FloatArray, next_hop: IntArray, srcs: IntArray
+    dist: FloatArray,
+    weights: FloatArray,
+    next_hop: IntArray,
+    srcs: IntArray,
+    dist_t: FloatArray | None = None,
 ) -> IntArray:
     n = dist.shape[0]
     out = np.full((n, n), NO_ROUTE, dtype=np.int64)
     if n < 2:
         return out
-    dt = np.ascontiguousarray(dist.T)  # dt[d, m] = D(m, d)
+    dt = np.ascontiguousarray(dist.T) if dist_t is None else dist_t  # dt[d, m] = D(m, d)
     bd = min(_BLOCK, n)
     u = np.empty((bd, n))
     t = np.empty((bd, n))

@@ -1,48 +1,78 @@
-"""The simulation loop: a pure function of (topology, events, config, seed).
+"""The simulation loop: a pure function of (topology, events, config, seed), driven by
+simulated time, that runs the controller's and the agents' own code.
 
-Time advances in probe rounds of ``probe_interval_s``. In the round at time t:
+Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does it:
 
-1. events due at t change the underlay (the ground truth);
-2. every ``recompute_s`` the controller turns the agents' estimates into link
-   costs, computes best routes (with backups) and lets the anti-flap policy
-   decide what to install;
-3. an agent whose next hop has stopped answering fails over to its backup next
-   hop at once (local fail-over, between recomputes);
-4. the routes in use are scored against the ground truth, which is how
-   convergence and outage times are measured;
-5. one probe per tunnel direction is drawn from the underlay as it is at t
-   (normal noise with the link's jitter as standard deviation, as in topology
-   files and the lab's shaper; losses from its loss) and fed to the per-link
-   estimator the agents run (:mod:`meshopt.sim.estimator`).
+1. events due change the underlay (the ground truth);
+2. every ``probe_interval_s`` (the agent's 0.33 s) one probe per tunnel direction is
+   drawn from the underlay (normal noise with the link's jitter as standard deviation,
+   as in topology files and the lab's shaper; losses from its loss) and fed to the
+   agents' estimator (:class:`meshopt.sim.estimator.LinkEstimator`, the agent's
+   :mod:`meshopt.estimate` rules vectorised, robust outlier rule included) and the
+   prober's window (loss and samples over the last 64 probes). A peer that has not
+   answered for ``dead_after_s`` (0.8 s) is declared dead at that moment, as the
+   prober's timer does; an agent not started yet neither probes nor answers;
+3. each agent checks its telemetry every second (the agent's ``check_interval_s``): the
+   peers whose report moved by the agent's own rule
+   (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
+   snapshot every :func:`~meshopt.agent.telemetry.full_interval`;
+4. the controller recomputes after its debounce once input arrived and its warm-up rule
+   passes (:func:`meshopt.controller.view.warmed_up`): the agents' last telemetry priced
+   by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
+   by :meth:`meshopt.controller.engine.RouteEngine.decide` (routes, the degradation
+   release, the anti-flap policy) with the start-up policy
+   (:func:`meshopt.controller.engine.startup_policy`); the routes reach the agents
+   ``install_s`` later. Above 300 nodes recomputes are at least ``recompute_s`` apart;
+5. an agent whose next hop was declared dead fails over by the agent's own rule
+   (:func:`meshopt.agent.plan.next_hop_in_use`) to the backup the route set carries, or
+   withdraws the route (the plain WireGuard route: the direct tunnel);
+6. the routes in use are scored against the ground truth whenever they or the truth
+   change, which is how convergence and outage times are measured (to the tick).
 
-So a decision at t only knows probes sent before t: a change at t is seen
-one round later at the earliest, never in the round it happens (a probe takes
-its RTT to come back). Before the controller's first decision the mesh uses
-what WireGuard gives without it: every pair over its own tunnel, if it has one;
-those routes were not chosen by the policy, so they are not held.
+Agents start at ``boot_s`` plus up to ``boot_spread_s`` (the lab's agents take seconds
+to come up); before the controller's first decision the mesh uses what WireGuard gives
+without it: every pair over its own tunnel, if it has one. Route changes are counted
+from the second decision on: the first install is not a change.
 
-A pair is *converged* when the policy would have no reason to move it to the
-optimum for the ground truth even with settled estimates: the gain misses the
-absolute or relative margin, or is within the noise that settled estimates keep
-(``noise_sigmas`` times their standard deviation). Convergence time is when every
-pair first reached that state and stayed there until the next event (or the end);
-after an event, pairs that were already outside the margin when it came are left
-out of that (unless the event cuts them): they are the previous interval's, and
-still counted in ``suboptimal_pairs``.
+A pair is *converged* when the policy would have no reason to move it to the optimum
+for the ground truth even with settled estimates: the gain misses the absolute or
+relative margin, or is within the noise that settled estimates keep (``noise_sigmas``
+times their standard deviation); ``converge_rel`` judges as the lab's readings do
+instead. Convergence time is when every pair first reached that state and stayed there
+until the next event (or the end); after an event, pairs that were already outside the
+margin when it came are left out of that (unless the event cuts them): they are the
+previous interval's, and still counted in ``suboptimal_pairs``.
+
+Not modelled: WireGuard handshakes (a lost first handshake retried after 5 s), the
+first probe's handshake delay (the agent drops it from the third sample on), CPU time
+(the controller's recompute and the agents' work take none), the controller's batching
+of routine snapshots, the relay-hop forwarding delay beyond the metric's 0.1 ms, the
+controller's sticky backups in meshes that are not symmetric (the plain loop-free
+alternate is the backup), bulk routes.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import numpy.typing as npt
 
+from meshopt.agent.config import ProbeSettings, TelemetrySettings
+from meshopt.agent.plan import next_hop_in_use
+from meshopt.agent.telemetry import full_interval, reports_moved
+from meshopt.controller.config import ControllerConfig
+from meshopt.controller.engine import RouteEngine, startup_policy
+from meshopt.controller.view import Matrices, link_matrices, warmed_up
 from meshopt.errors import InputError
+from meshopt.estimate import RobustConfig
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
-from meshopt.policy import Installed, PolicyConfig, decide
+from meshopt.policy import Installed, PolicyConfig
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
 from meshopt.routing.tables import IntArray, reduce_paths
@@ -52,24 +82,49 @@ from meshopt.sim.report import EventResult, GainSummary, SimPerf, SimReport, sum
 from meshopt.topology.model import Topology
 
 
+def _controller_defaults() -> ControllerConfig:
+    return ControllerConfig(mesh="sim", id="sim", signing_key="")
+
+
 @dataclass(frozen=True)
 class SimConfig:
+    """The simulated mesh's settings; the defaults are the agent's and the controller's."""
+
     duration_s: float = 120.0
     seed: int = 0
-    probe_interval_s: float = 0.25
-    dead_after: int = 4  # missed probes: 4 x 0.25 s declares a peer dead within 1 s
-    recompute_s: float | None = None  # None: 1 s, or 5 s above 300 nodes
+    probe_interval_s: float = ProbeSettings().interval_s
+    dead_after_s: float = ProbeSettings().dead_after_s
+    tick_s: float = 0.05  # resolution of fail-over, installs and scoring
+    # Minimum time between two recomputes; None: none up to 300 nodes (the controller
+    # recomputes on input after its debounce), 5 s above (a recompute there takes
+    # seconds of CPU, and the controller spaces routine ones by their CPU time).
+    recompute_s: float | None = None
     rtt_half_life_s: float = 2.0
     loss_half_life_s: float = 10.0
+    loss_window: int = 64  # the prober's window (meshopt.probe.stats)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    # Agents start boot_s + uniform(0, boot_spread_s) after time 0 (the lab: ~3 s from
+    # starting the agents to their first telemetry, whose first check is 1 s after start).
+    boot_s: float = 2.0
+    boot_spread_s: float = 1.0
+    install_s: float = 0.05  # a route set from the controller's decision to the kernel
+    keep_routes: bool = False  # report the next hops in use at the end of each interval
+    # Converged: None, the policy would not move the pair even with settled estimates
+    # (its margins and noise test); a share, the pair's cost is within it of the
+    # optimum's or less than the absolute margin above it (the lab's reading,
+    # meshopt.lab.measure.near_optimum, as the twin benchmark compares).
+    converge_rel: float | None = None
     symmetric: bool = False
     backups: bool = True
     metric: Metric = field(default_factory=Metric)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    controller: ControllerConfig = field(default_factory=_controller_defaults)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
-    def recompute_interval(self, n: int) -> float:
+    def recompute_gap(self, n: int) -> float:
         if self.recompute_s is not None:
             return self.recompute_s
-        return 1.0 if n <= 300 else 5.0
+        return 0.0 if n <= 300 else 5.0
 
 
 @dataclass
@@ -149,19 +204,6 @@ def _apply(event: Event, topo: Topology, node_up: BoolArray) -> None:
             getattr(topo, key)[a, b] = value
 
 
-def _cost_noise(est: LinkEstimator, metric: Metric) -> FloatArray:
-    """Standard deviation of each link's estimated metric cost: RTT and loss terms.
-
-    The policy must not switch on what estimation noise alone can produce; on a
-    lossy link the loss estimate is the noisier part (the penalty's slope is
-    ``loss_penalty_ms / (1 - loss)^2``).
-    """
-    loss = np.clip(est.loss, 0.0, 0.99)
-    slope = metric.loss_penalty_ms / (1.0 - loss) ** 2
-    noise = np.sqrt(est.noise() ** 2 + (slope * est.loss_noise()) ** 2)
-    return np.asarray(np.where(np.isfinite(noise), noise, 0.0))
-
-
 def _direct(topo: Topology) -> Installed:
     """Routes before the controller's first decision: each pair over its own tunnel.
 
@@ -185,11 +227,21 @@ class _Backups:
     (tests/unit/test_sim_scale.py, tests/unit/test_backup_sources.py).
     """
 
-    def __init__(self, best: RouteTables, cost: FloatArray, relay: float, enabled: bool) -> None:
+    def __init__(
+        self,
+        best: RouteTables,
+        cost: FloatArray,
+        relay: float,
+        enabled: bool,
+        symmetric: bool = False,
+    ) -> None:
         self.best = best
+        self.enabled = enabled
+        self.symmetric = symmetric
+        self.direct_ok = np.isfinite(cost)  # the route sets' backup in symmetric meshes
         self._cost: FloatArray | None = cost if enabled else None
         self._relay = relay
-        self._inputs: tuple[FloatArray, FloatArray] | None = None  # dist, weights
+        self._inputs: tuple[FloatArray, FloatArray, FloatArray] | None = None  # dist, w, dist.T
         self._done = np.zeros(best.n, dtype=bool)  # rows of best.backup computed so far
         self.computed = False
         self.took_s = 0.0
@@ -207,10 +259,13 @@ class _Backups:
             return self.best
         t0 = time.perf_counter()
         if self._inputs is None:
-            self._inputs = backup_inputs(self.best, self._cost, relay_hop_ms=self._relay)
-        dist, weights = self._inputs
+            dist, weights = backup_inputs(self.best, self._cost, relay_hop_ms=self._relay)
+            self._inputs = dist, weights, np.ascontiguousarray(dist.T)
+        dist, weights, dist_t = self._inputs
         every = need.size == self.best.n
-        fresh = backup_next_hops(dist, weights, self.best.next_hop, None if every else need)
+        fresh = backup_next_hops(
+            dist, weights, self.best.next_hop, None if every else need, dist_t=dist_t
+        )
         if self.best.backup is not None:
             fresh[self._done] = self.best.backup[self._done]  # keep the earlier rows
         self.best = replace(self.best, backup=fresh, dist=dist)
@@ -220,36 +275,117 @@ class _Backups:
         return self.best
 
 
-def _effective(
-    inst: Installed, backups: _Backups | None, dead: BoolArray
-) -> tuple[IntArray, BoolArray]:
-    """Installed next hops, with local fail-over to the backup where the next hop is dead.
+def _prober(dead_row: BoolArray) -> Callable[[int], bool | None]:
+    """One node's prober verdicts as the agent's fail-over rule reads them."""
 
-    The controller ships a backup with every entry it installs: the loop-free
-    alternate of the best route where the entry is the best route, and the best
-    route's own next hop where the policy kept another one. An agent switches to
-    it when the installed next hop stops answering and the backup still does.
-    Also returns the mask of entries running on their backup.
+    def alive(k: int) -> bool | None:
+        return not bool(dead_row[k])
+
+    return alive
+
+
+class _InUse:
+    """The next hops in use: the installed ones after the agents' local fail-over.
+
+    Every entry whose next hop the agent's prober declared dead goes through the agent's
+    own rule (:func:`meshopt.agent.plan.next_hop_in_use`): to the backup the route set
+    carries if that is not dead, else withdrawn, so traffic takes the plain WireGuard
+    route: the destination's own tunnel. The backup is the controller's: in symmetric
+    meshes the direct tunnel (one AllowedIPs set per destination, see the engine's route
+    sets), otherwise the loop-free alternate of the best route (where the entry is the
+    best route) or the best route's next hop (where the policy kept another one). An
+    entry without a route (the controller found no path) is on the plain route too, with
+    nothing to fail over.
+
+    A dead timer firing (a false alarm on a lossy link, most of them at scale) touches
+    the entries of one row that use that peer: only those are evaluated again.
     """
-    nh = inst.next_hop
-    n = nh.shape[0]
-    none = np.zeros((n, n), dtype=bool)
-    if backups is None:
-        return nh, none
-    rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
-    broken = (nh != NO_ROUTE) & dead[rows, np.where(nh == NO_ROUTE, rows, nh)]
-    np.fill_diagonal(broken, False)  # a node's own entry (it is never probed) has no backup
-    if not broken.any():
-        return nh, none  # nothing to fail over: the backups are not needed this round
-    best = backups.tables(np.flatnonzero(broken.any(axis=1)))
-    if best is None or best.backup is None:
-        return nh, none
-    backup = np.where(nh == best.next_hop, best.backup, best.next_hop)
-    alive = (backup != NO_ROUTE) & ~dead[rows, np.where(backup == NO_ROUTE, rows, backup)]
-    swap: BoolArray = broken & alive & (backup != nh)
-    if not swap.any():
-        return nh, swap
-    return np.where(swap, backup, nh), swap
+
+    def __init__(self, inst: Installed, tunnel: BoolArray) -> None:
+        n = inst.next_hop.shape[0]
+        self.n = n
+        self.tunnel = tunnel
+        self.backups: _Backups | None = None
+        self.unrouted = inst.next_hop == NO_ROUTE
+        self.base = np.where(self.unrouted & tunnel, np.arange(n)[None, :], inst.next_hop)
+        self.eff = self.base.copy()
+        self.hop_changes = 0  # entries in use that changed
+        self.failovers = 0  # entries moved off their installed next hop by an agent
+
+    def install(self, inst: Installed, backups: _Backups | None, dead: BoolArray) -> IntArray:
+        """A route set arrived; the destinations (columns) whose hops in use changed."""
+        n = self.n
+        old = self.eff
+        self.backups = backups
+        self.unrouted = inst.next_hop == NO_ROUTE
+        self.base = np.where(self.unrouted & self.tunnel, np.arange(n)[None, :], inst.next_hop)
+        rows = np.broadcast_to(np.arange(n)[:, None], (n, n))
+        broken = ~self.unrouted & dead[rows, np.where(self.unrouted, rows, self.base)]
+        np.fill_diagonal(broken, False)  # a node's own entry (never probed) has no backup
+        eff = self.base.copy()
+        ii, dd = np.nonzero(broken)
+        if ii.size:
+            eff[ii, dd] = self._fail_over(ii, dd, dead)
+            self.failovers += int((eff[ii, dd] != self.base[ii, dd]).sum())
+        changed = eff != old
+        self.hop_changes += int(changed.sum())
+        self.eff = eff
+        return np.flatnonzero(changed.any(axis=0))
+
+    def links_changed(self, links: IntArray, dead: BoolArray) -> IntArray:
+        """Links (flat indices) declared dead or alive again; the columns that changed."""
+        n = self.n
+        ii_parts, dd_parts = [], []
+        for i, j in zip(*(x.tolist() for x in np.divmod(links, n)), strict=True):
+            dd = np.flatnonzero((self.base[i] == j) | (self.eff[i] == j))
+            ii_parts.append(np.full(dd.size, i))
+            dd_parts.append(dd)
+        if not ii_parts:
+            return np.zeros(0, dtype=np.intp)
+        ii, dd = np.concatenate(ii_parts), np.concatenate(dd_parts)
+        keep = ii != dd
+        ii, dd = ii[keep], dd[keep]
+        if ii.size == 0:
+            return np.zeros(0, dtype=np.intp)
+        base = self.base[ii, dd]
+        routed = ~self.unrouted[ii, dd]
+        hop_dead = dead[ii, np.where(base == NO_ROUTE, ii, base)] & routed & (base != NO_ROUTE)
+        new = base.copy()
+        if hop_dead.any():
+            new[hop_dead] = self._fail_over(ii[hop_dead], dd[hop_dead], dead)
+        old = self.eff[ii, dd]
+        moved = new != old
+        if not moved.any():
+            return np.zeros(0, dtype=np.intp)
+        self.hop_changes += int(moved.sum())
+        self.failovers += int((moved & (old == base) & (new != base)).sum())
+        self.eff = self.eff.copy()  # the tracker keeps the previous array
+        self.eff[ii[moved], dd[moved]] = new[moved]
+        return np.unique(dd[moved])
+
+    def _fail_over(self, ii: IntArray, dd: IntArray, dead: BoolArray) -> IntArray:
+        """The hop in use of entries (ii, dd) whose next hop is dead."""
+        n, bk = self.n, self.backups
+        backup = np.full(ii.size, NO_ROUTE, dtype=np.int64)
+        if bk is not None and bk.enabled:
+            if bk.symmetric:
+                backup = np.where(bk.direct_ok[ii, dd], dd, NO_ROUTE)
+            else:
+                best = bk.tables(np.unique(ii))
+                if best is not None and best.backup is not None:
+                    nh = best.next_hop[ii, dd]
+                    backup = np.where(self.base[ii, dd] == nh, best.backup[ii, dd], nh)
+        out = np.empty(ii.size, dtype=np.int64)
+        for k, (s, d) in enumerate(zip(ii.tolist(), dd.tolist(), strict=True)):
+            b = int(backup[k])
+            via = next_hop_in_use(
+                int(self.base[s, d]), None if b == NO_ROUTE else b, _prober(dead[s])
+            )
+            if via is None:  # withdrawn: the plain WireGuard route, if there is a tunnel
+                via = d if self.tunnel[s, d] else NO_ROUTE
+            out[k] = via
+        del n
+        return out
 
 
 @dataclass
@@ -267,29 +403,48 @@ class _Tracker:
     converged_at: float | None = None
     bad: BoolArray | None = None  # outside the margin at the last round scored
     _seen: tuple[_Truth, IntArray] | None = None
+    # eff's paths: cost, variance, broken, outside the margin (updated by column)
+    _paths: tuple[FloatArray, FloatArray, BoolArray, BoolArray] | None = None
 
-    def score(self, truth: _Truth, eff: IntArray, now: float, pol: PolicyConfig) -> None:
-        if self._seen is not None and self._seen[0] is truth and np.array_equal(self._seen[1], eff):
-            return  # same routes, same underlay: same verdict as last round (saves a full walk)
-        self._seen = (truth, eff.copy())
-        got = _true_cost(truth, eff, truth.relay)
-        opt = truth.optimum.cost
-        want = np.isfinite(opt) & ~np.eye(opt.shape[0], dtype=bool)
-        broken = want & ~np.isfinite(got)
-        # Converged: the policy would not move the pair to the optimum even with
-        # settled estimates of the truth: the gain misses the absolute margin, or
-        # the relative one (of the route in use, as the policy takes it), or is
-        # within the noise such estimates still have.
-        with np.errstate(invalid="ignore"):  # inf - inf where a pair is unreachable anyway
-            gain = got - opt
-            noise = np.sqrt(reduce_paths(eff, truth.var) + truth.optimum_var)
-            close = (
-                (gain < pol.abs_margin_ms + 1e-6)
-                | (gain < pol.rel_margin * got + 1e-6)
-                | (gain <= pol.noise_sigmas * noise + 1e-6)
+    def score(
+        self,
+        truth: _Truth,
+        eff: IntArray,
+        now: float,
+        pol: PolicyConfig,
+        rel: float | None = None,
+        changed: IntArray | None = None,
+    ) -> None:
+        """Score the routes in use now. ``eff`` is never changed after it was handed
+        in (a new array each time); ``changed``: its destinations (columns) that differ
+        from the last one scored, when the caller knows them."""
+        n = eff.shape[0]
+        cols: IntArray | None = None
+        if self._seen is not None and self._seen[0] is truth:
+            if changed is not None:
+                cols = changed
+            else:
+                cols = np.flatnonzero((self._seen[1] != eff).any(axis=0))
+            if cols.size == 0:
+                self._seen = (truth, eff)
+                return  # same routes, same underlay: same verdict as last time
+        self._seen = (truth, eff)
+        if cols is not None and cols.size <= n // 4 and self._paths is not None:
+            # A path towards d reads column d of the next hops only: walk just the
+            # destinations whose column changed (an agent's fail-over moves a few).
+            got, path_var, broken, bad = self._paths
+            got[:, cols] = _true_cost_cols(truth, eff, truth.relay, cols)
+            path_var[:, cols] = _sum_paths_cols(eff, truth.var, cols)
+            broken[:, cols], bad[:, cols] = _verdict(
+                truth, got[:, cols], path_var[:, cols], cols, pol, rel
             )
-        bad = want & (broken | ~close)
-        self.bad = bad
+        else:
+            got = _true_cost(truth, eff, truth.relay)
+            path_var = reduce_paths(eff, truth.var)
+            every = np.arange(n)
+            broken, bad = _verdict(truth, got, path_var, every, pol, rel)
+            self._paths = (got, path_var, broken, bad)
+        self.bad = bad  # updated in place by later scores: copied when an event keeps it
         moved = bad if self.leftover is None else (bad & ~self.leftover) | broken
         elapsed = now - self.result.at_s
         res = self.result
@@ -305,6 +460,76 @@ class _Tracker:
             self.converged_at = elapsed
         res.converge_s = self.converged_at
         res.suboptimal_pairs = int(bad.sum())
+
+
+def _popcount(bits: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    return np.asarray(np.bitwise_count(bits), dtype=np.int64)
+
+
+@dataclass
+class _Agents:
+    """What the agents measured and what they last told the controller, every link at once.
+
+    The prober's window (``loss``, ``samples`` over the last ``window`` probes, as
+    :class:`meshopt.probe.stats.ProbeStats`) is kept as two bit registers per link; the
+    RTT estimate is :class:`~meshopt.sim.estimator.LinkEstimator`. ``pub_*`` are the
+    values of the last telemetry each agent sent (the controller's view of the mesh).
+    """
+
+    n: int
+    window: int
+    sent: npt.NDArray[np.int64]
+    got_bits: npt.NDArray[np.uint64]
+    lost_bits: npt.NDArray[np.uint64]
+    last_reply: FloatArray  # -inf: never answered (the prober's alive is None)
+    pub_alive: npt.NDArray[np.int64]
+    pub_rtt: FloatArray
+    pub_jitter: FloatArray
+    pub_noise: FloatArray
+    pub_loss: FloatArray
+    pub_samples: FloatArray
+    pub_sent: FloatArray
+    last_seen: FloatArray  # per node: its last telemetry (-inf: none yet)
+    last_full: FloatArray
+    next_check: FloatArray
+
+    @classmethod
+    def start(cls, n: int, window: int, first_check: FloatArray) -> _Agents:
+        z = np.zeros((n, n))
+        return cls(
+            n=n,
+            window=window,
+            sent=np.zeros((n, n), dtype=np.int64),
+            got_bits=np.zeros((n, n), dtype=np.uint64),
+            lost_bits=np.zeros((n, n), dtype=np.uint64),
+            last_reply=np.full((n, n), -np.inf),
+            pub_alive=np.full((n, n), -1, dtype=np.int64),
+            pub_rtt=np.full((n, n), np.nan),
+            pub_jitter=z.copy(),
+            pub_noise=z.copy(),
+            pub_loss=z.copy(),
+            pub_samples=z.copy(),
+            pub_sent=z.copy(),
+            last_seen=np.full(n, -np.inf),
+            last_full=np.full(n, -np.inf),
+            next_check=first_check.copy(),
+        )
+
+    def probe(self, probed: BoolArray | None, got: BoolArray, reply_at: FloatArray) -> None:
+        """One probe round: ``probed`` links sent one (None: all), ``got`` answered."""
+        mask = np.uint64((1 << self.window) - 1) if self.window < 64 else np.uint64(2**64 - 1)
+        one = np.uint64(1)
+        g = (self.got_bits << one) & mask | got.astype(np.uint64)
+        if probed is None:
+            self.sent += 1
+            lo = (self.lost_bits << one) & mask | (~got).astype(np.uint64)
+            self.got_bits, self.lost_bits = g, lo
+        else:
+            self.sent += probed
+            lo = (self.lost_bits << one) & mask | (probed & ~got).astype(np.uint64)
+            self.got_bits = np.where(probed, g, self.got_bits)
+            self.lost_bits = np.where(probed, lo, self.lost_bits)
+        np.copyto(self.last_reply, reply_at, where=got)
 
 
 def simulate(
@@ -326,12 +551,23 @@ def simulate(
     rng = np.random.default_rng(cfg.seed)
     n = topo.n
     metric, relay = cfg.metric, cfg.metric.relay_hop_ms
+    ctl, tel = cfg.controller, cfg.telemetry
     live = topo.copy()
     node_up = np.ones(n, dtype=bool)
+    interval = cfg.probe_interval_s
     est = LinkEstimator(
-        cfg.probe_interval_s, cfg.rtt_half_life_s, cfg.loss_half_life_s, cfg.dead_after
+        interval,
+        cfg.rtt_half_life_s,
+        cfg.loss_half_life_s,
+        max(1, math.ceil(cfg.dead_after_s / interval)),
+        robust=cfg.robust,
     )
     est.reset(n)
+    # When each agent starts (probing and answering), its probes' phase and its checks.
+    boot = cfg.boot_s + rng.uniform(0.0, cfg.boot_spread_s, n)
+    probe_phase = float(rng.uniform(0.0, interval))
+    agents = _Agents.start(n, cfg.loss_window, boot + tel.check_interval_s)
+    engine = RouteEngine(cfg.policy, relay_hop_ms=relay, symmetric=cfg.symmetric, max_incremental=8)
     clock = time.perf_counter
     phase = dict.fromkeys(
         ("truth", "routes", "backups", "policy", "failover", "score", "probes"), 0.0
@@ -341,71 +577,155 @@ def simulate(
     truth = _truth(live, node_up, metric, cfg.symmetric, est)
     phase["truth"] += clock() - t0
     pending = sorted(events, key=lambda e: e.at_s)
-    steps = max(1, round(cfg.duration_s / cfg.probe_interval_s))
-    every = max(1, round(cfg.recompute_interval(n) / cfg.probe_interval_s))
+    tick = cfg.tick_s
+    steps = max(1, round(cfg.duration_s / tick))
+    gap = cfg.recompute_gap(n)
     off = ~np.eye(n, dtype=bool)
+    tunnel = topo.tunnels & off
     installed = _direct(topo)
     backups: _Backups | None = None
-    was_swapped = np.zeros((n, n), dtype=bool)
+    to_install: list[tuple[float, Installed, _Backups | None]] = []
     changes = np.zeros((n, n), dtype=np.int64)
-    failovers = 0
+    decisions = 0
+    first_seen: float | None = None
+    dirty_since: float | None = None
+    last_recompute = -np.inf
+    next_round = probe_phase
+    dead = np.zeros((n, n), dtype=bool)
+    waiting = np.zeros(0, dtype=np.intp)  # links whose dead timer runs (flat indices)
+    dead_at = np.zeros(0)
+    use = _InUse(installed, tunnel)
+    hop_changes = 0
+    flips: list[IntArray] = []  # links declared dead or alive again since the last look
+    fresh_routes = False
+    eff = use.eff
+    scored: IntArray | None = None
     gains: GainSummary | None = None
     start = _Tracker(EventResult(event="start", at_s=0.0))
     tracker = start
     results: list[EventResult] = []
     for step in range(steps):
-        now = step * cfg.probe_interval_s
-        while pending and pending[0].at_s <= now:
+        now = step * tick
+        truth_moved = False
+        while pending and pending[0].at_s <= now + 1e-9:
             ev = pending.pop(0)
             if gains is None:
                 gains = _gains(truth, installed)
+            if cfg.keep_routes:
+                tracker.result.routes = _named(topo.names, eff)
             _apply(ev, live, node_up)
             t0 = clock()
             truth = _truth(live, node_up, metric, cfg.symmetric, est)
             phase["truth"] += clock() - t0
-            tracker = _Tracker(EventResult(event=ev.text, at_s=ev.at_s), leftover=tracker.bad)
+            tracker = _Tracker(
+                EventResult(event=ev.text, at_s=ev.at_s),
+                leftover=None if tracker.bad is None else tracker.bad.copy(),
+            )
             results.append(tracker.result)
+            truth_moved = True
 
-        if step > 0 and step % every == 0:  # the controller; at step 0 nothing is measured yet
-            if backups is not None and backups.computed:  # the last interval's, if it was needed
+        t0 = clock()
+        if next_round <= now + 1e-9:  # a probe round: one probe per tunnel direction
+            sent_at = next_round
+            next_round += interval
+            up = boot <= sent_at
+            probed = tunnel & up[:, None]
+            # jitter is the standard deviation of the delay (as in topology files and the
+            # lab's shaper): normal noise around the configured RTT, never below zero.
+            noise = rng.standard_normal((n, n)) * truth.sigma
+            lost = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+            sample = np.maximum(truth.rtt + noise, 0.0)
+            every = bool(up.all())  # every agent runs: no mask to apply (the common case)
+            est.update(sample, lost, None if every else probed)
+            got = probed & ~lost
+            agents.probe(None if every else probed, got, sent_at + sample / 1000.0)
+            if (got & dead).any():  # a dead peer answered: alive again at once
+                flips.append(np.flatnonzero((got & dead).ravel()))
+                dead = dead & ~got
+            # Only a link that did not answer this round can be declared dead before the
+            # next one (dead_after_s exceeds the probe interval): its timer is watched.
+            waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())
+            dead_at = agents.last_reply.ravel()[waiting] + cfg.dead_after_s
+        if waiting.size:
+            due = dead_at <= now + 1e-9
+            if due.any():
+                dead = dead.copy()
+                dead.ravel()[waiting[due]] = True
+                flips.append(waiting[due])
+                waiting, dead_at = waiting[~due], dead_at[~due]
+
+        # The agents' telemetry checks: what moved goes out (a full snapshot when due).
+        rows = np.flatnonzero(agents.next_check <= now + 1e-9)
+        if rows.size:
+            _report(agents, est, dead, rows, now, tel, tunnel)
+            if first_seen is None:
+                first_seen = now
+            dirty_since = now if dirty_since is None else dirty_since
+        phase["probes"] += clock() - t0
+
+        # The controller: a recompute after the debounce, once warm.
+        if (
+            dirty_since is not None
+            and now - dirty_since >= ctl.debounce_s - 1e-9
+            and now - last_recompute >= gap - 1e-9
+            and warmed_up(
+                first_seen,
+                now,
+                ctl.warmup_s,
+                lambda: _measured(agents, tunnel, ctl.warmup_samples),
+            )
+        ):
+            if backups is not None and backups.computed:
                 backup_computations += 1
                 phase["backups"] += backups.took_s
                 phase["failover"] -= backups.took_s  # it ran inside the fail-over check
+                backups.took_s = 0.0
+                backups.computed = False
+            dirty_since = None
+            last_recompute = now
             recomputes += 1
             t0 = clock()
-            cost = metric.link_costs(est.srtt, est.jitter, est.loss)
-            cost = np.where((est.dead() | ~topo.tunnels) & off, np.inf, cost)
-            np.fill_diagonal(cost, 0.0)
-            best = compute_routes(cost, topo.names, relay_hop_ms=relay, symmetric=cfg.symmetric)
-            backups = _Backups(best, cost, relay, cfg.backups)
+            m = _matrices(agents, topo.names, tunnel, metric, now)
+            pol = startup_policy(cfg.policy, first_seen, now, ctl.startup_s, ctl.startup_hold_s)
+            best, dec, _, _ = engine.decide(m, now, pol, backups=False)
             t1 = clock()
             phase["routes"] += t1 - t0
-            dec = decide(
-                installed, best, cost, _cost_noise(est, metric), now, cfg.policy,
-                relay_hop_ms=relay, symmetric=cfg.symmetric,
-            )  # fmt: skip
-            changes += dec.changed
-            tracker.result.route_changes += int(dec.changed.sum())
-            installed = dec.installed
+            if decisions > 0:  # the first install is not a change of routes
+                changes += dec.changed
+                tracker.result.route_changes += int(dec.changed.sum())
+            decisions += 1
+            new = Installed(next_hop=dec.installed.next_hop.copy(), since=dec.installed.since)
+            if not cfg.symmetric:  # the engine updates its tables in place next time
+                best = copy.deepcopy(best)
+            bk = _Backups(best, m.cost, relay, cfg.backups, cfg.symmetric)
+            to_install.append((now + cfg.install_s, new, bk))
             phase["policy"] += clock() - t1
 
-        t0 = clock()
-        eff, swapped = _effective(installed, backups, est.dead())
-        failovers += int((swapped & ~was_swapped).sum())
-        was_swapped = swapped
-        t1 = clock()
-        tracker.score(truth, eff, now, cfg.policy)
-        t2 = clock()
+        while to_install and to_install[0][0] <= now + 1e-9:
+            _, installed, backups = to_install.pop(0)
+            fresh_routes = True
 
-        # jitter is the standard deviation of the delay (as in topology files and the
-        # lab's shaper): normal noise around the configured RTT, never below zero.
-        noise = rng.standard_normal((n, n)) * truth.sigma
-        lost = (rng.random((n, n)) < truth.loss) | ~truth.usable
-        est.update(np.maximum(truth.rtt + noise, 0.0), lost)
+        t0 = clock()
+        cols: IntArray | None = None
+        if fresh_routes:
+            cols = use.install(installed, backups, dead)
+            fresh_routes = False
+            flips = []
+        elif flips:
+            cols = use.links_changed(np.concatenate(flips), dead)
+            flips = []
+        eff = use.eff
+        tracker.result.hop_changes += use.hop_changes - hop_changes
+        hop_changes = use.hop_changes
+        t1 = clock()
+        if truth_moved or scored is not eff:
+            tracker.score(
+                truth, eff, now, cfg.policy, cfg.converge_rel, None if truth_moved else cols
+            )
+            scored = eff
         phase["failover"] += t1 - t0
-        phase["score"] += t2 - t1
-        phase["probes"] += clock() - t2
-        if progress is not None:
+        phase["score"] += clock() - t1
+        if progress is not None and step % 64 == 0:
             progress(step / steps)
 
     if backups is not None and backups.computed:
@@ -414,6 +734,8 @@ def simulate(
         phase["failover"] -= backups.took_s  # it ran inside the fail-over check
     if gains is None:
         gains = _gains(truth, installed)
+    if cfg.keep_routes:
+        tracker.result.routes = _named(topo.names, eff)
     if progress is not None:
         progress(1.0)
     routes = n * (n - 1)
@@ -442,12 +764,93 @@ def simulate(
         route_changes=int(changes.sum()),
         changes_per_route_hour=float(changes.sum()) / max(routes, 1) / (cfg.duration_s / 3600),
         max_changes_pair=[(topo.names[i], topo.names[j], c) for c, i, j in flappers],
-        failovers=failovers,
+        failovers=use.failovers,
         runtime_s=runtime,
         initial_converge_s=start.converged_at,
         initial_suboptimal_pairs=start.result.suboptimal_pairs,
         perf=perf,
     )
+
+
+def _named(names: list[str], nh: IntArray) -> dict[str, dict[str, str]]:
+    return {
+        names[s]: {names[d]: names[h] for d, h in enumerate(nh[s].tolist()) if d != s and h >= 0}
+        for s in range(len(names))
+    }
+
+
+def _report(
+    agents: _Agents,
+    est: LinkEstimator,
+    dead: BoolArray,
+    rows: IntArray,
+    now: float,
+    tel: TelemetrySettings,
+    tunnel: BoolArray,
+) -> None:
+    """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
+    (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
+    full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`)."""
+    a = agents
+    got = _popcount(a.got_bits[rows]).astype(np.float64)
+    lost = _popcount(a.lost_bits[rows]).astype(np.float64)
+    outcomes = got + lost
+    with np.errstate(divide="ignore", invalid="ignore"):
+        loss = np.where(outcomes > 0, lost / outcomes, 0.0)
+    answered = np.isfinite(a.last_reply[rows])
+    alive = np.where(dead[rows], 0, np.where(answered, 1, -1)).astype(np.int64)
+    rtt = np.where(answered, est.srtt[rows], np.nan)
+    moved = reports_moved(
+        a.pub_alive[rows], alive, a.pub_rtt[rows], rtt,
+        a.pub_samples[rows], got, a.pub_loss[rows], loss, tel,
+    )  # fmt: skip
+    every = np.array([full_interval(int(k), tel) for k in tunnel[rows].sum(axis=1)])
+    full = (now - a.last_full[rows] >= every - 1e-9)[:, None]
+    take = (moved | full) & tunnel[rows]
+    r = rows[:, None]
+    cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
+    ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
+    a.pub_alive[ri, ci] = alive[take]
+    a.pub_rtt[ri, ci] = rtt[take]
+    a.pub_jitter[ri, ci] = est.jitter_rows(rows)[take]
+    a.pub_noise[ri, ci] = est.noise_rows(rows)[take]
+    a.pub_loss[ri, ci] = loss[take]
+    a.pub_samples[ri, ci] = got[take]
+    a.pub_sent[ri, ci] = a.sent[rows][take]
+    a.last_seen[rows] = now
+    a.last_full[rows] = np.where(full[:, 0], now, a.last_full[rows])
+    a.next_check[rows] += tel.check_interval_s
+
+
+def _measured(agents: _Agents, tunnel: BoolArray, min_samples: int) -> bool:
+    """Every tunnel reported with ``min_samples`` RTT samples (``MeshView.measured``)."""
+    ok = ~np.isnan(agents.pub_rtt) & (agents.pub_samples >= min_samples)
+    return bool(np.all(ok | ~tunnel))
+
+
+def _matrices(
+    agents: _Agents, names: list[str], tunnel: BoolArray, metric: Metric, now: float
+) -> Matrices:
+    """The controller's matrices from the agents' last telemetry, priced by the view's
+    own function (:func:`~meshopt.controller.view.link_matrices`). A node not heard
+    from yet is not in the picture (its links are down)."""
+    a = agents
+    n = len(names)
+    heard = np.isfinite(a.last_seen)
+    age = np.broadcast_to(np.maximum(now - a.last_seen, 0.0)[:, None], (n, n))
+    age = np.where(np.isfinite(age), age, 0.0)
+    cost, sd, term = link_matrices(
+        metric, a.pub_rtt, a.pub_jitter, a.pub_loss, a.pub_noise,
+        a.pub_samples, a.pub_sent, a.pub_alive == 0, age,
+    )  # fmt: skip
+    known = tunnel & heard[:, None] & heard[None, :]
+    cost = np.where(known, cost, np.inf)
+    sd = np.where(known, sd, 0.0)
+    term = np.where(known & np.isfinite(cost), term, 0.0)
+    np.fill_diagonal(cost, 0.0)
+    rtt = np.where(known & np.isfinite(cost), a.pub_rtt, np.nan)
+    z = np.zeros((n, n))
+    return Matrices(names, cost, sd, z, heard, rtt, z, term)
 
 
 def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
@@ -456,6 +859,73 @@ def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
     np.fill_diagonal(w, 0.0)
     c = reduce_paths(nh, w)
     c[~np.eye(nh.shape[0], dtype=bool) & np.isfinite(c)] -= relay
+    return c
+
+
+def _verdict(
+    truth: _Truth,
+    got: FloatArray,
+    path_var: FloatArray,
+    cols: IntArray,
+    pol: PolicyConfig,
+    rel: float | None,
+) -> tuple[BoolArray, BoolArray]:
+    """(broken, outside the margin) of the paths in use towards ``cols``, given their
+    cost ``got`` and variance ``path_var`` (columns ``cols`` of the full matrices).
+
+    Converged: the policy would not move the pair to the optimum even with settled
+    estimates of the truth: the gain misses the absolute margin, or the relative one (of
+    the route in use, as the policy takes it), or is within the noise such estimates
+    still have; with ``rel``, the lab's reading instead (within ``rel`` of the optimum
+    or less than the absolute margin above it)."""
+    opt = truth.optimum.cost[:, cols]
+    want = np.isfinite(opt) & (np.arange(got.shape[0])[:, None] != cols[None, :])
+    broken = want & ~np.isfinite(got)
+    with np.errstate(invalid="ignore"):  # inf - inf where a pair is unreachable anyway
+        gain = got - opt
+        if rel is not None:
+            close = (gain < pol.abs_margin_ms) | (got <= opt * (1.0 + rel) + 1e-6)
+        else:
+            noise = np.sqrt(path_var + truth.optimum_var[:, cols])
+            close = (
+                (gain < pol.abs_margin_ms + 1e-6)
+                | (gain < pol.rel_margin * got + 1e-6)
+                | (gain <= pol.noise_sigmas * noise + 1e-6)
+            )
+    bad: BoolArray = want & (broken | ~close)
+    return np.asarray(broken), bad
+
+
+def _sum_paths_cols(next_hop: IntArray, edge: FloatArray, cols: IntArray) -> FloatArray:
+    """``reduce_paths(next_hop, edge)[:, cols]`` (edges without NaN or -inf), walking only
+    those destinations: a path towards d follows column d of the next hops alone.
+    Pointer doubling as in :func:`meshopt.routing.tables.reduce_paths`."""
+    n, k = next_hop.shape[0], cols.size
+    target = np.broadcast_to(cols[None, :], (n, k))
+    rows = np.arange(n)[:, None]
+    sub = next_hop[:, cols]
+    reach = sub >= 0
+    jump = np.where(reach, sub, target)
+    val = np.asarray(edge[rows, jump], dtype=np.float64).copy()
+    val[rows == target] = 0.0
+    val[~reach] = math.inf
+    kk = np.arange(k)[None, :]
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2)))) + 1):
+        if (jump == target).all():
+            break
+        val = val + val[jump, kk]
+        jump = jump[jump, kk]
+    val[jump != target] = math.inf
+    return val
+
+
+def _true_cost_cols(truth: _Truth, nh: IntArray, relay: float, cols: IntArray) -> FloatArray:
+    """``_true_cost(truth, nh, relay)[:, cols]``, walking only those destinations."""
+    w = truth.cost + relay
+    np.fill_diagonal(w, 0.0)
+    c = _sum_paths_cols(nh, w, cols)
+    off = np.arange(nh.shape[0])[:, None] != cols[None, :]
+    c[off & np.isfinite(c)] -= relay
     return c
 
 

@@ -99,10 +99,13 @@ class LinkEstimator:
         # The warm-up's samples, only where they are checked (estimate.warm_up_restart).
         self.warm = np.zeros((n, n, self.robust.warmup if self._checks_warm_up else 0))
 
-    def update(self, sample: FloatArray, lost: BoolArray) -> None:
-        """One probe round: ``sample`` RTTs (ignored where ``lost``)."""
+    def update(self, sample: FloatArray, lost: BoolArray, probed: BoolArray | None = None) -> None:
+        """One probe round: ``sample`` RTTs (ignored where ``lost``); ``probed``: only
+        those links sent a probe (an agent not started yet sends none), the rest stay."""
         cfg = self.robust
-        got = ~lost
+        if probed is not None:
+            lost = lost & probed
+        got = ~lost if probed is None else ~lost & probed
         fresh = got & (np.isnan(self.srtt) | (self.misses >= self.dead_after))
         # A link that comes back (or is new) starts from its first sample.
         self.srtt = np.where(fresh, sample, self.srtt)
@@ -139,10 +142,18 @@ class LinkEstimator:
                 self.warm[ii, jj, self.accepted[ii, jj] - 1] = sample[ii, jj]
         if self._checks_warm_up:
             ready = (acc | fresh) & (self.accepted == cfg.warmup)
-            for i, j in zip(*(x.tolist() for x in np.nonzero(ready)), strict=True):
-                self._reseed(i, j)
-        self.loss += self.a_loss * (lost.astype(np.float64) - self.loss)
-        self.misses = np.where(lost, self.misses + 1, 0).astype(np.int32)
+            if ready.any():
+                ii, jj = np.nonzero(ready)
+                maybe = self._maybe_far(self.warm[ii, jj, :])
+                for i, j in zip(ii[maybe].tolist(), jj[maybe].tolist(), strict=True):
+                    self._reseed(i, j)
+        if probed is None:
+            self.loss += self.a_loss * (lost.astype(np.float64) - self.loss)
+            self.misses = np.where(lost, self.misses + 1, 0).astype(np.int32)
+        else:
+            self.loss += np.where(probed, self.a_loss * (lost.astype(np.float64) - self.loss), 0.0)
+            self.misses = np.where(lost, self.misses + 1, np.where(probed, 0, self.misses))
+            self.misses = self.misses.astype(np.int32)
 
     def _restart(self, i: int, j: int, scale: float) -> None:
         """Link (i, j)'s outliers so far, if they are a real change (estimate.py)."""
@@ -157,6 +168,17 @@ class LinkEstimator:
         self.samples[i, j] = k
         self.var[i, j] = sigma * sigma * self._var_gain[min(k, _TABLE - 1)]
         self.pending[i, j] = 0
+
+    def _maybe_far(self, values: FloatArray) -> BoolArray:
+        """Rows of warm-up samples in which :func:`~meshopt.estimate.warm_up_restart` may
+        find a far-off sample (its test, vectorised, with a hair of slack for rounding):
+        the others certainly have none, so the exact rule runs only on these."""
+        cfg = self.robust
+        level = np.median(values, axis=1)
+        sigma = 1.4826 * np.median(np.abs(values - level[:, None]), axis=1)
+        scale = np.maximum(np.maximum(sigma, cfg.min_scale_ms), cfg.min_scale_rel * level)
+        far = np.abs(values - level[:, None]) > 2.0 * cfg.k * scale[:, None] * (1 - 1e-9)
+        return np.asarray(far.any(axis=1))
 
     def _reseed(self, i: int, j: int) -> None:
         """The end of link (i, j)'s warm-up: restart if a sample was far off."""
@@ -174,18 +196,30 @@ class LinkEstimator:
     @property
     def jitter(self) -> FloatArray:
         """Standard deviation of the RTT samples (0 while a link has fewer than two)."""
-        k = np.minimum(self.samples, _TABLE - 1)
-        gain = self._var_gain[k]
+        return self.jitter_rows(None)
+
+    def jitter_rows(self, rows: npt.NDArray[np.intp] | None) -> FloatArray:
+        """``jitter`` of the links from ``rows`` only (None: all)."""
+        var_, samples = (
+            (self.var, self.samples) if rows is None else (self.var[rows], self.samples[rows])
+        )
+        gain = self._var_gain[np.minimum(samples, _TABLE - 1)]
         with np.errstate(divide="ignore", invalid="ignore"):
-            var = np.where(gain > 0, self.var / gain, 0.0)
+            var = np.where(gain > 0, var_ / gain, 0.0)
         return np.asarray(np.sqrt(var))
+
+    def noise_rows(self, rows: npt.NDArray[np.intp] | None) -> FloatArray:
+        """``noise()`` of the links from ``rows`` only (None: all)."""
+        samples = self.samples if rows is None else self.samples[rows]
+        share = self._share[np.minimum(samples, _TABLE - 1)]
+        return np.asarray(self.jitter_rows(rows) * np.sqrt(share))
 
     def dead(self) -> BoolArray:
         return np.asarray(self.misses >= self.dead_after)
 
     def noise(self) -> FloatArray:
         """Standard deviation of the smoothed RTT (not of single samples)."""
-        return np.asarray(self.jitter * np.sqrt(self._share[np.minimum(self.samples, _TABLE - 1)]))
+        return self.noise_rows(None)
 
     def loss_noise(self) -> FloatArray:
         """Standard deviation of the loss estimate, taking the estimate as the true rate."""

@@ -53,6 +53,11 @@ class EventResult:
     converge_s: float | None = None  # time until every pair was within the policy margin
     suboptimal_pairs: int = 0  # pairs outside the margin at the end of the interval
     route_changes: int = 0  # installed entries changed until the next event
+    # Next-hop entries in use that changed until the next event: the controller's
+    # changes and the agents' fail-overs, as a reading of the nodes' tables sees them.
+    hop_changes: int = 0
+    # The next hops in use when the interval ended, src -> dst -> hop (SimConfig.keep_routes).
+    routes: dict[str, dict[str, str]] | None = None
 
 
 @dataclass
@@ -66,7 +71,7 @@ class SimPerf:
     agents' estimators).
     """
 
-    rounds: int = 0  # probe rounds simulated
+    rounds: int = 0  # time steps simulated (SimConfig.tick_s each)
     recomputes: int = 0  # controller decisions
     backup_computations: int = 0  # recomputes whose backups fail-over needed
     wall_per_simulated_s: float = 0.0

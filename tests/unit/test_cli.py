@@ -118,13 +118,14 @@ def test_sim_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert (d["nodes"], d["pairs"], d["duration_s"]) == (3, 3, 60.0)
     assert d["gains"]["improved"] == 1 and d["gains"]["top"][0]["path"] == ["a", "c", "b"]
-    assert d["initial_converge_s"] == 1.0
+    # The agents boot at 2-3 s; first routes after their first telemetry and warm-up.
+    assert 3.0 < d["initial_converge_s"] < 8.0
     (ev,) = d["events"]
     assert ev["event"] == "at=30.5s node=c down" and ev["at_s"] == 30.5
     assert ev["broken_pairs"] == 2  # a->b and b->a relayed via c
-    # c is dead after 4 lost probes (1 s); the agents fail over to their backup (the
-    # direct tunnel) before the controller's recompute at 32 s.
-    assert ev["outage_s"] == 1.0
+    # c is declared dead 0.8 s after its last reply (0.33 s probes); the agents fail
+    # over to their backup (the direct tunnel) without waiting for the controller.
+    assert 0.8 - 0.33 <= ev["outage_s"] <= 0.9
     assert d["failovers"] >= 2
 
 
@@ -134,7 +135,7 @@ def test_sim_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert code == 0 and err == ""  # no progress bar when stderr is not a terminal
     assert out.startswith("meshopt sim triangle: 3 nodes, 3 pairs, 40 s simulated")
-    assert "initial convergence: 1.00 s" in out
+    assert "initial convergence: " in out and "initial convergence: not" not in out
     assert "Events" in out and "at=20s" in out
     assert "route changes:" in out
 

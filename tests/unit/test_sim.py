@@ -20,8 +20,21 @@ from meshopt.topology.load import load_topology
 from meshopt.topology.model import LinkProps, Node, Topology
 
 TOPOLOGIES = Path(__file__).parents[2] / "topologies"
-PROBE = SimConfig().probe_interval_s  # 0.25 s
+PROBE = SimConfig().probe_interval_s  # 0.33 s, the agent's
 HOLD = PolicyConfig().hold_s  # 30 s
+DEAD = SimConfig().dead_after_s  # 0.8 s after the last reply, the prober's
+# Agents all started at 0 s (the default boots them at 2-3 s, as the lab's do): their
+# first telemetry is at 1 s (the agent's first check), with 3 samples per link, so the
+# controller routes after its 0.2 s debounce and the routes are in by ~1.25 s.
+AT_ONCE: dict[str, Any] = {"boot_s": 0.0, "boot_spread_s": 0.0}
+FIRST = (1.0, 2.5)  # first routes installed within this, with AT_ONCE
+# A change probed at t is confirmed by the agent's robust estimator on its third outlier
+# (two more probes), told at its next 1 s check, decided after the 0.2 s debounce and
+# installed 0.05 s later.
+REACT = (2 * PROBE, 3 * PROBE + 1.0 + 0.2 + 0.05 + 0.1)
+# Local fail-over: the prober declares a peer dead 0.8 s after its last reply, which
+# came up to one probe interval before the failure.
+FAILOVER_S = (DEAD - PROBE, DEAD + 0.1)
 
 
 def mesh(
@@ -63,20 +76,22 @@ def test_triangle_ends_relayed_via_c_with_the_gain_the_file_describes() -> None:
     assert g.best_gain_ms == pytest.approx(40.0) and g.mean_gain_pct == pytest.approx(50.0)
     assert g.mean_shortfall_ms == pytest.approx(0.0)  # installed routes are the optimum
     # Before any measurement the mesh runs on direct tunnels; the controller relays a-b
-    # at its first recompute (1 s), which needs probes: never at 0 s.
-    assert r.initial_converge_s == pytest.approx(1.0)
-    assert r.route_changes == 2  # a->b and b->a, once each; nothing flaps
-    assert r.max_changes_pair == [("a", "b", 2)]
+    # once it has telemetry and its warm-up passed: seconds after the agents boot (2-3 s).
+    assert r.initial_converge_s is not None and 3.0 < r.initial_converge_s < 8.0
+    # The first install is not a change of routes: nothing changed after it.
+    assert r.route_changes == 0 and r.max_changes_pair == []
 
 
 def test_before_the_first_recompute_the_relay_pair_is_left_off() -> None:
     topo = load_topology(str(TOPOLOGIES / "triangle.yaml"))
-    early = simulate(topo, [], SimConfig(duration_s=0.75))  # ends before the recompute at 1 s
+    early = simulate(topo, [], SimConfig(duration_s=1.0, **AT_ONCE))  # before the first telemetry
     assert early.initial_converge_s is None
     assert early.initial_suboptimal_pairs == 2  # a->b and b->a still on the direct tunnel
     assert early.gains.relayed == 0 and early.route_changes == 0
-    later = simulate(topo, [], SimConfig(duration_s=2.0))
-    assert later.initial_converge_s == 1.0 and later.initial_suboptimal_pairs == 0
+    later = simulate(topo, [], SimConfig(duration_s=3.0, **AT_ONCE))
+    assert later.initial_converge_s is not None
+    assert FIRST[0] < later.initial_converge_s < FIRST[1]
+    assert later.initial_suboptimal_pairs == 0
 
 
 def test_control_case_without_relay_gain_converges_at_once() -> None:
@@ -88,9 +103,9 @@ def test_control_case_without_relay_gain_converges_at_once() -> None:
 
 
 def test_pairs_without_a_tunnel_relay_from_the_first_recompute() -> None:
-    r = simulate(load_topology(str(TOPOLOGIES / "hub.yaml")), [], SimConfig(duration_s=5.0))
+    r = simulate(load_topology(str(TOPOLOGIES / "hub.yaml")), [], SimConfig(5.0, **AT_ONCE))
     assert r.gains.no_direct_tunnel == 6  # every branch pair, via hq
-    assert r.initial_converge_s == pytest.approx(1.0)
+    assert r.initial_converge_s is not None and FIRST[0] < r.initial_converge_s < FIRST[1]
 
 
 # --- events ----------------------------------------------------------------------------
@@ -101,17 +116,15 @@ DEGRADE = {"x-y": 10.0, "x-z": 8.0, "z-y": 8.0}
 
 
 @pytest.mark.parametrize("at", [40.0, 40.5])
-def test_five_fold_delay_rise_moves_routes_within_one_recompute(at: float) -> None:
+def test_five_fold_delay_rise_moves_routes_in_the_agents_reaction_time(at: float) -> None:
     topo = mesh("xyz", DEGRADE, default_ms=8.0)
     r = run(topo, f"at={at}s link=x-y delay=50ms", duration_s=60.0)
     assert r.gains.relayed == 0  # before the event: everything direct
     ev = only_event(r)
     assert ev.outage_s == 0.0 and ev.broken_pairs == 0  # slower, never cut
-    # The change is probed at `at` and acted on at the next recompute (every 1 s), never
-    # in the round it happens: at 40 s (a recompute tick) that takes a whole second.
-    next_tick = np.ceil(at + PROBE) - at
-    assert ev.converge_s == pytest.approx(next_tick)
-    assert ev.converge_s is not None and ev.converge_s > 0
+    # Not in the round it happens: the robust estimator waits for its third outlier,
+    # the agent tells it at its next check, the controller decides after its debounce.
+    assert ev.converge_s is not None and REACT[0] <= ev.converge_s <= REACT[1]
     assert ev.suboptimal_pairs == 0
     assert ev.route_changes == 2  # x->y and y->x move to z; nothing else
     assert r.max_changes_pair == [("x", "y", 2)]
@@ -125,7 +138,7 @@ def test_europe_fra_waw_delay_rise_is_not_converged_in_zero_seconds(delay: str) 
     r = run(topo, f"at=40s link=fra-waw delay={delay}", duration_s=60.0)
     ev = only_event(r)
     assert ev.route_changes >= 2
-    assert ev.converge_s is not None and PROBE <= ev.converge_s <= 1.0 + PROBE
+    assert ev.converge_s is not None and REACT[0] <= ev.converge_s <= REACT[1]
     assert ev.suboptimal_pairs == 0
 
 
@@ -137,21 +150,24 @@ def test_a_route_never_changed_is_not_held_after_the_start() -> None:
     """
     r = run(mesh("xyz", DEGRADE, default_ms=8.0), "at=10s link=x-y delay=50ms", duration_s=20.0)
     ev = only_event(r)
-    assert ev.converge_s is not None and ev.converge_s <= 1.0 + PROBE
+    assert ev.converge_s is not None and ev.converge_s <= REACT[1]
 
 
 def test_a_recent_change_is_held_until_the_hold_time_ends() -> None:
-    """a-b relays via c from 1 s. At 10 s c's link to a gets five times slower, so the
-    direct tunnel wins again, but a->b changed 9 s ago: the policy holds it until 31 s
-    (no path failed), then moves at the next recompute."""
+    """a-b relays via c from the start. After the start-up (60 s, when changes are held
+    5 s only), at 70 s c's link to a gets five times slower and a<->b goes direct. At
+    80 s it is fast again, so via c wins again, but a->b changed ~9 s ago: the policy
+    holds it until 30 s after that change (no path failed)."""
     topo = load_topology(str(TOPOLOGIES / "triangle.yaml"))
-    r = run(topo, "at=10s link=a-c delay=50ms", duration_s=60.0)
-    ev = only_event(r)
-    assert ev.outage_s == 0.0
-    assert ev.converge_s is not None
-    first_change = 1.0
-    assert ev.converge_s == pytest.approx(first_change + HOLD - 10.0)
-    assert ev.suboptimal_pairs == 0
+    r = run(topo, "at=70s link=a-c delay=50ms", "at=80s link=a-c delay=10ms", duration_s=120.0)
+    slow, back = r.events
+    assert slow.converge_s is not None and slow.converge_s <= REACT[1]
+    assert slow.route_changes == 2
+    assert back.outage_s == 0.0
+    assert back.converge_s is not None
+    changed_at = 70.0 + slow.converge_s
+    assert back.converge_s == pytest.approx(changed_at + HOLD - 80.0, abs=1.5)
+    assert back.suboptimal_pairs == 0
 
 
 # Primary a-c-b (40 ms), backup a-d-b (44 ms), direct a-b 100 ms.
@@ -166,10 +182,10 @@ def test_node_down_outage_is_bounded_by_local_fail_over() -> None:
 
     ev = only_event(with_backups)
     assert ev.broken_pairs == 2  # a->b and b->a relay via c
-    # c is declared dead after 4 missed probes (1 s); the agents switch to their backup
-    # next hop in the round after that, without waiting for the controller (at 25 s).
+    # c is declared dead 0.8 s after its last reply; the agents switch to their backup
+    # next hop at once, without waiting for the controller.
     assert ev.outage_s is not None
-    assert SimConfig().dead_after * PROBE <= ev.outage_s <= (SimConfig().dead_after + 1) * PROBE
+    assert FAILOVER_S[0] <= ev.outage_s <= FAILOVER_S[1]
     # a->b and b->a, and every entry towards c itself (an agent cannot tell a dead
     # destination from a dead link, so it tries the backup there too).
     assert with_backups.failovers >= 2
@@ -178,27 +194,30 @@ def test_node_down_outage_is_bounded_by_local_fail_over() -> None:
     assert ev.converge_s == ev.outage_s
     assert ev.suboptimal_pairs == 0
 
+    # Without a backup the agents withdraw the route: traffic takes the plain WireGuard
+    # route, the direct tunnel (100 ms), as soon as c is declared dead; the controller
+    # moves a<->b to d later (at least 5 s after its last recompute here).
     ev_nb = only_event(without)
-    assert without.failovers == 0
-    assert ev_nb.outage_s is not None
-    assert ev_nb.outage_s == pytest.approx(25.0 - 20.5)  # cut until the controller acts
-    assert ev_nb.outage_s > ev.outage_s
+    assert without.failovers >= 2
+    assert ev_nb.outage_s is not None and FAILOVER_S[0] <= ev_nb.outage_s <= FAILOVER_S[1]
+    assert ev_nb.converge_s is not None and ev_nb.converge_s > ev_nb.outage_s
 
 
 def test_node_down_then_up_reconverges() -> None:
     topo = mesh("abcd", FAILOVER, default_ms=15.0)
     r = run(topo, "at=20s node=c down", "at=70s node=c up", duration_s=120.0)
     down, up = r.events
-    assert down.broken_pairs == 2 and down.outage_s is not None and down.outage_s <= 1.25
-    # Back up: the routes towards c (and c's own) were withdrawn while it was down, so
-    # those 6 entries wait for the controller's next recompute after c's first probes.
-    assert up.broken_pairs == 6
-    assert up.outage_s is not None and PROBE <= up.outage_s <= 1.0 + PROBE
+    assert down.broken_pairs == 2 and down.outage_s is not None
+    assert down.outage_s <= FAILOVER_S[1]
+    # Back up: the controller withdrew the routes towards c (and c's own) while it was
+    # down, which leaves them on the plain WireGuard routes, the direct tunnels: they
+    # work again as soon as c does.
+    assert up.outage_s == 0.0
     # Via c is better again (40 vs 44 ms) but within the 10 % margin of the route via d:
     # a<->b stays on d, and that counts as converged.
-    assert up.converge_s == up.outage_s and up.suboptimal_pairs == 0
-    # a<->b: both directions moved twice (direct -> c at the start, c -> d when c died).
-    assert ("a", "b", 4) in r.max_changes_pair
+    assert up.suboptimal_pairs == 0
+    # a<->b: both directions moved once after the first install (c -> d when c died).
+    assert ("a", "b", 2) in r.max_changes_pair
 
 
 def test_fail_over_also_protects_a_route_the_policy_kept_off_the_optimum() -> None:
@@ -216,7 +235,7 @@ def test_fail_over_also_protects_a_route_the_policy_kept_off_the_optimum() -> No
     slower, down = r.events
     assert slower.route_changes == 0  # kept: the gain is inside the margin
     assert down.broken_pairs == 2
-    assert down.outage_s is not None and down.outage_s <= (SimConfig().dead_after + 1) * PROBE
+    assert down.outage_s is not None and down.outage_s <= FAILOVER_S[1]
     assert r.failovers >= 2
 
 
@@ -228,15 +247,22 @@ GROUPS = {
 
 
 def test_an_events_convergence_is_not_held_up_by_earlier_stragglers() -> None:
-    """At 10 s a-c gets five times slower: a<->b should go direct again but changed at
-    1 s, so the hold keeps it off the optimum until 31 s. An unrelated event at 15 s
-    (p-q five times slower) converges in one recompute all the same."""
+    """After the start-up, at 70 s a-c gets five times slower and a<->b goes direct; at
+    80 s a-c is fast again, but the hold keeps a<->b off the optimum until 30 s after
+    its change. An unrelated event at 85 s (p-q five times slower) converges in the
+    agents' reaction time all the same."""
     topo = mesh("abcpqr", GROUPS, default_ms=100.0)
-    r = run(topo, "at=10s link=a-c delay=50ms", "at=15s link=p-q delay=50ms", duration_s=40.0)
-    held, other = r.events
-    assert other.converge_s == pytest.approx(1.0)
-    assert other.route_changes >= 2 + 1  # p<->q at 16 s, then a held entry at 31 s
-    assert other.suboptimal_pairs == 0  # by 40 s the stragglers are back too
+    r = run(
+        topo,
+        "at=70s link=a-c delay=50ms",
+        "at=80s link=a-c delay=10ms",
+        "at=85s link=p-q delay=50ms",
+        duration_s=110.0,
+    )
+    _, held, other = r.events
+    assert other.converge_s is not None and other.converge_s <= REACT[1]
+    assert other.route_changes >= 2 + 1  # p<->q, then a held entry ~30 s after its change
+    assert other.suboptimal_pairs == 0  # by 110 s the stragglers are back too
     assert held.converge_s is None  # it never had the mesh to itself long enough ...
     assert held.suboptimal_pairs >= 1  # ... a held a<->b entry was off when p-q changed
 
@@ -246,7 +272,7 @@ def test_link_down_event_cuts_and_restores() -> None:
     r = run(topo, "at=20s link=x-y down", duration_s=40.0)
     ev = only_event(r)
     assert ev.broken_pairs == 2
-    assert ev.outage_s is not None and 0 < ev.outage_s <= (SimConfig().dead_after + 1) * PROBE
+    assert ev.outage_s is not None and FAILOVER_S[0] <= ev.outage_s <= FAILOVER_S[1]
     assert ev.suboptimal_pairs == 0
 
 
@@ -254,24 +280,40 @@ def test_link_down_event_cuts_and_restores() -> None:
 
 
 def test_jitter_does_not_make_routes_flap() -> None:
-    """Two equal paths for a-b: direct (40 ms RTT + 2 x 2.8 ms jitter = 45.7 ms) and via c
-    (2 x (32.4 + 5.7) + 2 = 45.7 ms), with 2 ms of jitter per direction. The estimates
-    reorder them all the time; the policy keeps one, without it routes follow the noise."""
-    topo = mesh("abc", {"a-b": 20.0, "a-c": 8.1, "c-b": 8.1}, default_ms=8.1, jitter_ms=2.0)
+    """Two equal paths for a-b: direct (40 ms RTT + 2 x 2.83 ms jitter = 45.7 ms, 2 ms of
+    jitter per direction) and via c (4 x 11.03 + 0.1 relay hop + 2 x 0.6 ms of
+    root-sum-square jitter = 45.4 ms, 0.3 ms per direction). The estimates reorder them
+    all the time; the policy keeps one, without it routes follow the noise."""
+    quiet = LinkProps(delay_ms=11.03, jitter_ms=0.3)
+    links = {("a", "b"): LinkProps(delay_ms=20.0, jitter_ms=2.0)}
+    links["b", "a"] = links["a", "b"]
+    topo = Topology.from_links("test", [Node(x) for x in "abc"], quiet, links)
     steady = run(topo, duration_s=300.0)
     flappy = run(topo, duration_s=300.0, policy=PolicyConfig(0.0, 0.0, 0.0, 0.0))
     assert steady.route_changes <= 2  # at most one move per direction, in 5 minutes
     assert steady.changes_per_route_hour <= 4.0
     assert flappy.max_changes_pair[0][:2] == ("a", "b")
-    assert flappy.max_changes_pair[0][2] >= 50  # the noise is real: it flaps without a policy
+    assert flappy.max_changes_pair[0][2] >= 20  # the noise is real: it flaps without a policy
 
 
 def test_europe_with_its_jitter_stays_stable() -> None:
     r = simulate(load_topology(str(TOPOLOGIES / "europe.yaml")), [], SimConfig(duration_s=600.0))
-    assert r.initial_converge_s is not None and r.initial_converge_s <= 2.0
-    # The four relayed pairs move once per direction at the start; nothing else moves.
-    assert r.route_changes == 2 * r.gains.relayed
+    assert r.initial_converge_s is not None and r.initial_converge_s <= 8.0
+    # The relayed pairs are installed at the start (not counted); nothing moves after.
+    assert r.route_changes <= 2
     assert all(count <= 2 for _, _, count in r.max_changes_pair)
+
+
+@pytest.mark.parametrize("name", ["bench8.yaml", "demo.yaml"])
+def test_a_static_mesh_reports_almost_no_changes_after_the_first_install(name: str) -> None:
+    """The first install is not counted (it was 308 changes per route per hour for a 10 s
+    run when it was); what the start-up's short hold and confirm still improve is."""
+    topo = load_topology(str(TOPOLOGIES / name))
+    r = simulate(topo, [], SimConfig(duration_s=600.0, symmetric=True))
+    assert r.changes_per_route_hour <= 1.0
+    short = simulate(topo, [], SimConfig(duration_s=10.0, symmetric=True))
+    assert short.route_changes == 0  # the first routes, installed at ~5 s, are no change
+    assert short.gains.relayed > 0  # ... and they were installed
 
 
 def report_figures(r: SimReport) -> dict[str, object]:
@@ -382,5 +424,5 @@ def test_a_thousand_node_mesh_runs() -> None:
     assert ev.broken_pairs > 100  # the hub relayed many pairs ...
     assert r.failovers > 0
     assert ev.outage_s is not None  # ... and they are all restored ...
-    assert ev.outage_s <= (SimConfig().dead_after + 1) * PROBE  # ... before the recompute at 10 s
+    assert ev.outage_s <= FAILOVER_S[1]  # ... by the agents, before the next recompute
     assert elapsed < 60.0

@@ -19,9 +19,12 @@ def test_quick_bench_sim_json() -> None:
         timeout=120,
     )
     (run,) = json.loads(proc.stdout)["runs"]
-    assert run["nodes"] == 50 and run["routes"] == 50 * 49 and run["simulated_s"] == 10.0
-    assert run["wall_s"] > 0 and run["wall_per_simulated_s"] == round(run["wall_s"] / 10.0, 3)
-    assert run["event"].startswith("at=5s node=") and run["event"].endswith(" down")
+    # 20 s: the agents boot at 2-3 s and route from ~6 s, so the failure at 10 s hits
+    # routes the controller installed.
+    assert run["nodes"] == 50 and run["routes"] == 50 * 49 and run["simulated_s"] == 20.0
+    assert run["wall_s"] > 0  # rounded to 0.01 s, so the ratio matches within rounding
+    assert abs(run["wall_per_simulated_s"] - run["wall_s"] / 20.0) <= 0.001
+    assert run["event"].startswith("at=10s node=") and run["event"].endswith(" down")
     assert run["event_broken_routes"] > 0  # the busiest relay carried routes when it failed
-    assert run["event_outage_s"] is not None and run["event_outage_s"] <= 1.25
+    assert run["event_outage_s"] is not None and run["event_outage_s"] <= 1.0
     assert run["improved_pairs"] > 0

@@ -1,0 +1,574 @@
+"""The twin benchmark: the same topologies and events in ``meshopt sim`` and in the lab.
+
+Issue 14 item 5, "the simulator predicts the lab". For each topology, one timeline,
+in seconds from the moment the agents are started (the lab's ``LiveMesh.start``, the
+simulator's time 0):
+
+* ``degrade_at``: a directly routed link gets five times its one-way delay, chosen so a
+  relay then wins (:func:`meshopt.demo.pick_degradation`);
+* ``fail_at``: the node relaying the most optimal paths goes down (``node=R down``),
+  and comes back ``restore_after`` later;
+* ``jitter_at``: every link's delay jitters with a standard deviation of 11.5 % of its
+  delay (the convergence benchmark's +/- 20 %) until the end (``jitter_s``).
+
+The events are chosen from the topology file, not from the live mesh, so both sides
+get the same ones, as the same ``lab set`` / ``--event`` text. Per event, both sides
+report: the outage (the simulator over every pair; the lab from 50 pings a second of
+one pair the relay carried, as ``bench convergence``), the convergence time (every
+pair within the policy's large margins of the new optimum, from readings of every
+node's next hops every ~0.5 s in the lab), the next-hop changes in the event's window
+(the lab's readings see what was installed at each reading; the simulator counts every
+entry in use that changed, fail-overs included) and the next hops in use when the
+window ends, compared pair by pair. Goals: final routes identical for >= 95 % of pairs,
+times within max(0.5 s, 30 %), changes within +/- 1 per 10 pairs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshopt.analysis import Plan, plan
+from meshopt.demo import pick_degradation
+from meshopt.metric import Metric
+from meshopt.policy import PolicyConfig
+from meshopt.sim.engine import SimConfig, simulate
+from meshopt.sim.events import Event, parse_event
+from meshopt.topology.load import load_topology
+from meshopt.topology.model import Topology
+
+Progress = Callable[[str], None]
+TOPOLOGIES = ("topologies/bench8.yaml", "topologies/demo.yaml", "gen:geo:n=16,seed=1")
+JITTER_SHARE = 0.115  # sigma of +/- 20 % uniform, as bench convergence's stability run
+
+
+@dataclass(frozen=True)
+class Timeline:
+    degrade_at: float = 40.0
+    fail_at: float = 60.0
+    restore_after: float = 15.0
+    jitter_at: float = 90.0
+    jitter_s: float = 60.0
+
+    @property
+    def end(self) -> float:
+        return self.jitter_at + self.jitter_s
+
+
+@dataclass
+class Scenario:
+    """The events of one topology, as text both sides take."""
+
+    topology: str
+    topo: Topology
+    degrade: str | None  # "a-b delay=Xms"
+    degrade_pair: tuple[str, str] | None
+    relay: str | None
+    relay_pair: tuple[str, str] | None  # a pair the relay carries in the optimum
+    jitter: list[str] = field(default_factory=list)  # "a-b jitter=Xms" per link
+
+    def sim_events(self, tl: Timeline) -> list[Event]:
+        out = []
+        if self.degrade:
+            out.append(parse_event(f"at={tl.degrade_at}s link={self.degrade}"))
+        if self.relay:
+            out.append(parse_event(f"at={tl.fail_at}s node={self.relay} down"))
+            out.append(parse_event(f"at={tl.fail_at + tl.restore_after}s node={self.relay} up"))
+        for j in self.jitter:
+            out.append(parse_event(f"at={tl.jitter_at}s link={j}"))
+        return out
+
+
+def _relayed(p: Plan) -> dict[str, list[tuple[str, str]]]:
+    names = p.topo.names
+    through: dict[str, list[tuple[str, str]]] = {}
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if i < j:
+                for k in p.tables.path(i, j)[1:-1]:
+                    through.setdefault(names[k], []).append((a, b))
+    return through
+
+
+def scenario(topology: str) -> Scenario:
+    topo = load_topology(topology)
+    best = plan(topo, Metric(), symmetric=True)
+    deg = pick_degradation(topo, best, symmetric=True)
+    degrade = pair = None
+    if deg is not None:
+        a, b = deg.link
+        slow = topo.link(a, b).delay_ms * 5
+        degrade, pair = f"{a}-{b} delay={slow:g}ms", (a, b)
+    through = _relayed(best)
+    relay = relay_pair = None
+    if through:
+        relay = max(sorted(through), key=lambda n: len(through[n]))
+        relay_pair = through[relay][0]
+    jitter = []
+    names = topo.names
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if i < j and topo.tunnels[i, j]:
+                d = topo.link(a, b).delay_ms
+                jitter.append(f"{a}-{b} jitter={d * JITTER_SHARE:.3f}ms")
+    return Scenario(topology, topo, degrade, pair, relay, relay_pair, jitter)
+
+
+def _windows(sc: Scenario, tl: Timeline) -> list[tuple[str, float, float]]:
+    """(event, start, end) of each measured window."""
+    out = []
+    if sc.degrade:
+        out.append(("degradation", tl.degrade_at, tl.fail_at if sc.relay else tl.jitter_at))
+    if sc.relay:
+        out.append(("relay_failure", tl.fail_at, tl.fail_at + tl.restore_after))
+    out.append(("jitter", tl.jitter_at, tl.end))
+    return out
+
+
+# --- the simulator's side ----------------------------------------------------------------
+
+
+def sim_side(
+    sc: Scenario, tl: Timeline, seeds: int = 3, boot: tuple[float, float] | None = None
+) -> dict[str, Any]:
+    """The simulated figures per event, medians over ``seeds`` runs (and each run's).
+
+    ``boot``: (earliest, latest) time the agents came up, as measured in the lab; None:
+    the simulator's default (2-3 s)."""
+    runs = []
+    events = sc.sim_events(tl)
+    extra: dict[str, float] = {}
+    if boot is not None:
+        extra = {"boot_s": boot[0], "boot_spread_s": max(boot[1] - boot[0], 0.0)}
+    for seed in range(seeds):
+        cfg = SimConfig(
+            duration_s=tl.end,
+            seed=seed,
+            symmetric=True,
+            keep_routes=True,
+            converge_rel=0.05,
+            **extra,  # type: ignore[arg-type]
+        )
+        rep = simulate(sc.topo, events, cfg)
+        by_text = {e.event: e for e in rep.events}
+        one: dict[str, Any] = {"initial_converge_s": rep.initial_converge_s}
+        for name, start, _ in _windows(sc, tl):
+            # The window's first event (the jitter period is one event per link).
+            ev = next(e for e in rep.events if abs(e.at_s - start) < 1e-6)
+            last = [e for e in rep.events if abs(e.at_s - start) < 1e-6][-1]
+            one[name] = {
+                "outage_s": ev.outage_s if ev.broken_pairs else 0.0,
+                "converge_s": last.converge_s,
+                "decided_changes": sum(
+                    e.route_changes for e in rep.events if start - 1e-6 <= e.at_s < _end(tl, name)
+                ),
+                "hop_changes": sum(
+                    e.hop_changes for e in rep.events if start - 1e-6 <= e.at_s < _end(tl, name)
+                ),
+                "routes": _window_routes(rep.events, _end(tl, name)),
+            }
+        del by_text
+        runs.append(one)
+    return {"runs": runs, **_medians(runs, sc, tl)}
+
+
+def _end(tl: Timeline, name: str) -> float:
+    return {
+        "degradation": tl.fail_at,
+        "relay_failure": tl.fail_at + tl.restore_after,
+        "jitter": tl.end,
+    }[name]
+
+
+def _window_routes(events: list[Any], end: float) -> dict[str, dict[str, str]] | None:
+    """Routes in use at ``end``: those of the last interval that started before it."""
+    before = [e for e in events if e.at_s < end - 1e-6]
+    return before[-1].routes if before else None
+
+
+def _medians(runs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:
+    out: dict[str, Any] = {"initial_converge_s": _med([r["initial_converge_s"] for r in runs])}
+    for name, _, _ in _windows(sc, tl):
+        rs = [r[name] for r in runs if name in r]
+        out[name] = {
+            k: _med([r[k] for r in rs])
+            for k in ("outage_s", "converge_s", "decided_changes", "hop_changes")
+        }
+        out[name]["routes"] = rs[0]["routes"] if rs else None
+    return out
+
+
+def _med(values: list[Any]) -> float | None:
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
+
+
+# --- the lab's side ----------------------------------------------------------------------
+
+
+class _BootWatch(threading.Thread):
+    """When each agent logged that it is up (reading its lab log every 0.1 s), in
+    seconds from ``t0``: the agents' start-up, an input of the simulated twin."""
+
+    def __init__(self, logs: dict[str, Any], t0: float, timeout_s: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.logs, self.t0, self.timeout_s = logs, t0, timeout_s
+        self.up: dict[str, float] = {}
+
+    def run(self) -> None:
+        while len(self.up) < len(self.logs) and time.monotonic() - self.t0 < self.timeout_s:
+            for node, path in self.logs.items():
+                if node in self.up:
+                    continue
+                try:
+                    text = path.read_text(errors="replace")
+                except OSError:
+                    continue
+                if " up: interfaces " in text:
+                    self.up[node] = time.monotonic() - self.t0
+            time.sleep(0.1)
+
+
+class _Reader(threading.Thread):
+    """Every node's next hops, read again and again; (time from t0, hops) per reading."""
+
+    def __init__(self, mesh: Any, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.mesh, self.t0 = mesh, t0
+        self.log: list[tuple[float, dict[str, dict[str, str]]]] = []
+        self.stop = threading.Event()
+        self.slowest = 0.0
+
+    def run(self) -> None:
+        from meshopt.bench.convergence import snapshot
+
+        while not self.stop.is_set():
+            began = time.monotonic()
+            try:
+                hops = snapshot(self.mesh)
+            except Exception:  # a reading during a node's stall: the next one counts
+                continue
+            done = time.monotonic()
+            self.slowest = max(self.slowest, done - began)
+            self.log.append((done - self.t0, hops))
+            self.stop.wait(max(0.0, 0.5 - (time.monotonic() - began)))
+
+
+def _kept_all(best: Plan, hops: dict[str, dict[str, str]], policy: PolicyConfig) -> bool:
+    from meshopt.bench.convergence import kept
+    from meshopt.lab.measure import pairs
+
+    return kept(best, hops, policy.abs_margin_ms, 0.05) == len(pairs(sorted(hops)))
+
+
+def _converged(
+    log: list[tuple[float, dict[str, dict[str, str]]]],
+    best: Plan,
+    start: float,
+    end: float,
+    policy: PolicyConfig,
+) -> float | None:
+    """Seconds from ``start`` to the first reading from which every reading in the window
+    had every pair within the margins (None: never)."""
+    at: float | None = None
+    for t, hops in log:
+        if t < start or t >= end:
+            continue
+        ok = _kept_all(best, hops, policy)
+        at = None if not ok else (t if at is None else at)
+    return None if at is None else at - start
+
+
+def _changes(log: list[tuple[float, dict[str, dict[str, str]]]], start: float, end: float) -> int:
+    prev: dict[str, dict[str, str]] | None = None
+    n = 0
+    for t, hops in log:
+        if t < start - 1.0 or t >= end:
+            continue
+        if prev is not None and t >= start:
+            for src, table in hops.items():
+                old = prev.get(src, {})
+                n += sum(1 for d in set(table) | set(old) if table.get(d) != old.get(d))
+        prev = hops
+    return n
+
+
+def _at(
+    log: list[tuple[float, dict[str, dict[str, str]]]], end: float
+) -> dict[str, dict[str, str]] | None:
+    before = [h for t, h in log if t < end]
+    return before[-1] if before else None
+
+
+def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict[str, Any]:
+    """One lab run of the scenario's timeline (root; minutes)."""
+    from meshopt.bench.cpuload import lag_window
+    from meshopt.lab.lab import Lab
+    from meshopt.lab.measure import outage_time
+    from meshopt.lab.mesh import LiveMesh
+    from meshopt.lab.state import lab_dir
+
+    lab = Lab.up(sc.topo, name=f"twin{index}", layout="single")
+    mesh = LiveMesh(lab)
+    policy = PolicyConfig()
+    out: dict[str, Any] = {}
+    try:
+        timing = lab.emulator.stats()
+        logs = {n: lab_dir(lab.plan.lab_id) / "agents" / f"{n}.log" for n in mesh.nodes}
+        for path in logs.values():  # a log left from an earlier start would read as up
+            path.unlink(missing_ok=True)
+        t0 = time.monotonic()
+        watch = _BootWatch(logs, t0)
+        watch.start()
+        mesh.start()
+        started = time.monotonic() - t0
+        t0 = time.monotonic()
+        watch.t0 = t0
+        reader = _Reader(mesh, t0)
+        reader.start()
+        topo = sc.topo.copy()
+        best_start = plan(topo, Metric(), symmetric=True)
+
+        def until(at: float) -> None:
+            time.sleep(max(0.0, at - (time.monotonic() - t0)))
+
+        windows = _windows(sc, tl)
+        bests: dict[str, Plan] = {}
+        outages: dict[str, float | None] = {}
+        if sc.degrade:
+            until(tl.degrade_at)
+            lab.set(sc.degrade)
+            ev = parse_event(f"at=0s link={sc.degrade}")
+            _apply_text(topo, ev)
+            bests["degradation"] = plan(topo, Metric(), symmetric=True)
+            outages["degradation"] = 0.0
+            progress(f"{sc.topology}: {sc.degrade} at {time.monotonic() - t0:.1f} s")
+        if sc.relay and sc.relay_pair:
+            until(tl.fail_at)
+            a, b = sc.relay_pair
+            down = topo.copy()
+            i = down.index(sc.relay)
+            down.tunnels[i, :] = False
+            down.tunnels[:, i] = False
+            bests["relay_failure"] = plan(down, Metric(), symmetric=True)
+            outages["relay_failure"] = outage_time(
+                mesh, a, b, lambda: lab.set(f"node={sc.relay} down"), timeout=tl.restore_after - 2
+            )
+            progress(
+                f"{sc.topology}: {sc.relay} down, {a}->{b} back after {outages['relay_failure']}"
+            )
+            until(tl.fail_at + tl.restore_after)
+            lab.set(f"node={sc.relay} up")
+        until(tl.jitter_at)
+        for j in sc.jitter:
+            lab.set(j)
+            _apply_text(topo, parse_event(f"at=0s link={j}"))
+        bests["jitter"] = plan(topo, Metric(), symmetric=True)
+        outages["jitter"] = 0.0
+        progress(f"{sc.topology}: jitter on every link from {time.monotonic() - t0:.1f} s")
+        until(tl.end + 0.6)
+        reader.stop.set()
+        reader.join(timeout=30)
+        log = reader.log
+        out["initial_converge_s"] = _converged(
+            log, best_start, 0.0, windows[0][1] if windows else tl.end, policy
+        )
+        for name, start, end in windows:
+            out[name] = {
+                "outage_s": outages.get(name),
+                "converge_s": _converged(log, bests[name], start, end, policy),
+                "hop_changes": _changes(log, start, end),
+                "routes": _at(log, end),
+            }
+        out["slowest_reading_s"] = reader.slowest
+        watch.join(timeout=1)
+        ups = sorted(watch.up.values())
+        out["agents_up_s"] = {"first": ups[0], "last": ups[-1], "count": len(ups)} if ups else None
+        out["start_call_s"] = started
+        out["lab_fidelity"] = lag_window(timing, lab.emulator.stats())
+        return out
+    finally:
+        mesh.stop()
+        lab.down()
+
+
+def _apply_text(topo: Topology, ev: Event) -> None:
+    import numpy as np
+
+    from meshopt.sim.engine import _apply
+
+    _apply(ev, topo, np.ones(topo.n, dtype=bool))
+
+
+# --- comparison ----------------------------------------------------------------------------
+
+
+def same_routes(
+    a: dict[str, dict[str, str]] | None, b: dict[str, dict[str, str]] | None
+) -> float | None:
+    """Share of ordered pairs with the same next hop in both."""
+    if a is None or b is None:
+        return None
+    keys = [(s, d) for s in a for d in a[s]] + [(s, d) for s in b for d in b[s]]
+    pairs_ = set(keys)
+    if not pairs_:
+        return None
+    same = sum(1 for s, d in pairs_ if a.get(s, {}).get(d) == b.get(s, {}).get(d))
+    return same / len(pairs_)
+
+
+def _diff(a: dict[str, dict[str, str]] | None, b: dict[str, dict[str, str]] | None) -> list[str]:
+    """The ordered pairs whose next hop differs: "src->dst sim:X lab:Y"."""
+    if a is None or b is None:
+        return []
+    keys = sorted({(s, d) for t in (a, b) for s in t for d in t[s]})
+    return [
+        f"{s}->{d} sim:{a.get(s, {}).get(d)} lab:{b.get(s, {}).get(d)}"
+        for s, d in keys
+        if a.get(s, {}).get(d) != b.get(s, {}).get(d)
+    ]
+
+
+def _time_ok(sim: float | None, lab: float | None) -> bool | None:
+    if sim is None or lab is None:
+        return None if sim is None and lab is None else False
+    return abs(sim - lab) <= max(0.5, 0.3 * lab)
+
+
+def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
+    n = sc.topo.n
+    pairs_ = n * (n - 1) // 2
+    rows: dict[str, Any] = {
+        "initial_converge_s": {
+            "sim": sim.get("initial_converge_s"),
+            "lab": lab.get("initial_converge_s"),
+            "ok": _time_ok(sim.get("initial_converge_s"), lab.get("initial_converge_s")),
+        }
+    }
+    for name, _, _ in _windows(sc, tl):
+        s, m = sim.get(name, {}), lab.get(name, {})
+        share = same_routes(s.get("routes"), m.get("routes"))
+        tol = max(1.0, pairs_ / 10.0)
+        sc_, mc = s.get("hop_changes"), m.get("hop_changes")
+        diff = _diff(s.get("routes"), m.get("routes"))
+        rows[name] = {
+            "outage_s": {"sim": s.get("outage_s"), "lab": m.get("outage_s"),
+                         "ok": _time_ok(s.get("outage_s"), m.get("outage_s"))},
+            "converge_s": {"sim": s.get("converge_s"), "lab": m.get("converge_s"),
+                           "ok": _time_ok(s.get("converge_s"), m.get("converge_s"))},
+            "changes": {"sim": sc_, "sim_decided": s.get("decided_changes"), "lab": mc,
+                        "tolerance": tol,
+                        "ok": None if sc_ is None or mc is None else abs(sc_ - mc) <= tol},
+            "final_routes_same": {"share": share, "ok": None if share is None else share >= 0.95,
+                                  "differ": diff},
+        }  # fmt: skip
+    return rows
+
+
+def bench(
+    topologies: tuple[str, ...] = TOPOLOGIES,
+    *,
+    sim_only: bool = False,
+    seeds: int = 3,
+    lab_runs: int = 1,
+    timeline: Timeline | None = None,
+    progress: Progress = lambda _: None,
+) -> dict[str, Any]:
+    tl = timeline or Timeline()
+    out: dict[str, Any] = {"timeline": tl.__dict__, "sim_seeds": seeds, "lab_runs": lab_runs}
+    results = []
+    for k, topology in enumerate(topologies):
+        sc = scenario(topology)
+        labs: list[dict[str, Any]] = []
+        if not sim_only:
+            labs = [lab_side(sc, tl, k * 10 + r, progress) for r in range(lab_runs)]
+        boot = _boot(labs)
+        started = time.monotonic()
+        sim = sim_side(sc, tl, seeds, boot)
+        entry: dict[str, Any] = {
+            "topology": topology,
+            "nodes": sc.topo.n,
+            "events": {"degradation": sc.degrade, "relay_failure": sc.relay,
+                       "relay_pair": sc.relay_pair, "jitter_links": len(sc.jitter)},
+            "sim_wall_s": time.monotonic() - started,
+            "sim_boot_from_lab": boot,
+            "sim": _strip(sim),
+        }  # fmt: skip
+        progress(f"{topology}: simulated in {entry['sim_wall_s']:.1f} s")
+        if labs:
+            lab = _lab_medians(labs, sc, tl)
+            entry["lab"] = _strip(lab)
+            entry["lab_runs"] = [_strip(x) for x in labs]
+            entry["compare"] = compare(sc, tl, sim, lab)
+        results.append(entry)
+    out["topologies"] = results
+    return out
+
+
+def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(earliest, latest) agent start measured in the lab runs, medians over runs."""
+    ups = [x["agents_up_s"] for x in labs if x.get("agents_up_s")]
+    if not ups:
+        return None
+    return statistics.median(u["first"] for u in ups), statistics.median(u["last"] for u in ups)
+
+
+def _lab_medians(labs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:
+    out: dict[str, Any] = {"initial_converge_s": _med([x.get("initial_converge_s") for x in labs])}
+    for name, _, _ in _windows(sc, tl):
+        rs = [x[name] for x in labs if name in x]
+        out[name] = {k: _med([r[k] for r in rs]) for k in ("outage_s", "converge_s", "hop_changes")}
+        out[name]["routes"] = rs[0]["routes"] if rs else None
+    return out
+
+
+def _strip(d: Any) -> Any:
+    """The report without route tables (they are compared, not printed)."""
+    if isinstance(d, dict):
+        return {k: _strip(v) for k, v in d.items() if k != "routes"}
+    if isinstance(d, list):
+        return [_strip(v) for v in d]
+    return d
+
+
+def table(out: dict[str, Any]) -> str:
+    """The comparison as a Markdown table (simulated / measured, goal met or not)."""
+
+    def f(x: Any) -> str:
+        if x is None:
+            return "-"
+        return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+    def ok(x: Any) -> str:
+        return {True: "yes", False: "**no**", None: "-"}[x]
+
+    lines = [
+        "| topology | event | outage s sim / lab | ok | convergence s sim / lab | ok "
+        "| changes sim / lab (tol) | ok | final routes same | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in out["topologies"]:
+        c = t.get("compare")
+        if c is None:
+            continue
+        ini = c["initial_converge_s"]
+        lines.append(
+            f"| {t['topology']} | first routes | | | {f(ini['sim'])} / {f(ini['lab'])} "
+            f"| {ok(ini['ok'])} | | | | |"
+        )
+        for name in ("degradation", "relay_failure", "jitter"):
+            r = c.get(name)
+            if r is None:
+                continue
+            o, v, ch, fr = r["outage_s"], r["converge_s"], r["changes"], r["final_routes_same"]
+            lines.append(
+                f"| {t['topology']} | {name} | {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
+                f"| {f(v['sim'])} / {f(v['lab'])} | {ok(v['ok'])} "
+                f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {ok(ch['ok'])} "
+                f"| {f(fr['share'])} | {ok(fr['ok'])} |"
+            )
+    return "\n".join(lines)

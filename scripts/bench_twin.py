@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""The twin benchmark (issue 14 item 5): the same topologies and events in ``meshopt
+sim`` and in the lab, side by side; prints JSON. See meshopt/bench/twin.py.
+
+    .venv/bin/python scripts/bench_twin.py --sim-only          # seconds, no root
+    .venv/bin/python scripts/bench_twin.py                     # + the lab (root, minutes)
+    .venv/bin/python scripts/bench_twin.py --lab-runs 3 --topologies topologies/bench8.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from meshopt.bench.twin import TOPOLOGIES, Timeline, bench, table
+from meshopt.sim.report import json_safe
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sim-only", action="store_true", help="the simulator's side only")
+    ap.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    ap.add_argument("--seeds", type=int, default=3, help="simulated runs per topology")
+    ap.add_argument("--lab-runs", type=int, default=1, help="lab runs per topology")
+    ap.add_argument("--jitter-s", type=float, default=60.0, help="length of the jitter period")
+    args = ap.parse_args()
+    tl = Timeline(jitter_s=args.jitter_s)
+    out = bench(
+        tuple(args.topologies),
+        sim_only=args.sim_only,
+        seeds=args.seeds,
+        lab_runs=args.lab_runs,
+        timeline=tl,
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    print(json.dumps(json_safe(out), indent=1))
+    if not args.sim_only:
+        print(table(out), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The twin benchmark's simulated side on a small mesh (the lab side needs root and
+minutes: scripts/bench_twin.py)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from meshopt.bench.twin import Scenario, Timeline, compare, same_routes, scenario, sim_side
+
+SHORT = Timeline(degrade_at=20.0, fail_at=30.0, restore_after=10.0, jitter_at=45.0, jitter_s=15.0)
+
+
+@cache
+def demo() -> tuple[Scenario, dict[str, Any]]:
+    sc = scenario("topologies/demo.yaml")
+    return sc, sim_side(sc, SHORT, seeds=2)
+
+
+def test_the_demo_scenario_is_read_from_the_topology() -> None:
+    sc = scenario("topologies/demo.yaml")
+    assert sc.degrade is not None and "delay=" in sc.degrade
+    assert sc.relay is not None and sc.relay_pair is not None
+    assert sc.relay not in sc.relay_pair  # a pair the relay carries, not one of its own
+    assert len(sc.jitter) == 15  # every link of the 6-node full mesh
+    texts = [e.text for e in sc.sim_events(SHORT)]
+    assert texts[0] == f"at=20.0s link={sc.degrade}"
+    assert texts[1:3] == [f"at=30.0s node={sc.relay} down", f"at=40.0s node={sc.relay} up"]
+
+
+def test_sim_side_reports_each_event_of_the_demo() -> None:
+    sc, out = demo()
+    assert len(out["runs"]) == 2
+    # First routes after the agents' boot (2-3 s) and the warm-up: seconds, not 0.
+    assert out["initial_converge_s"] is not None and 3.0 < out["initial_converge_s"] < 15.0
+    deg, fail = out["degradation"], out["relay_failure"]
+    assert deg["outage_s"] == 0.0  # slower, never cut
+    assert deg["converge_s"] is not None and 0.0 < deg["converge_s"] < 3.0
+    assert deg["decided_changes"] >= 2  # the degraded pair moved, both directions
+    # The relay's pairs fail over locally: the prober's 0.8 s dead timer, not a recompute.
+    assert fail["outage_s"] is not None and 0.4 <= fail["outage_s"] <= 0.9
+    assert fail["hop_changes"] >= 2
+    # In the jitter period only routes moving back through the restored relay change
+    # (each entry the failure moved at most once more); the jitter itself moves nothing.
+    for run in out["runs"]:
+        assert run["jitter"]["decided_changes"] <= run["relay_failure"]["decided_changes"]
+    routes = out["jitter"]["routes"]
+    assert routes is not None and set(routes) == set(sc.topo.names)
+
+
+def test_compare_judges_against_the_issue_goals() -> None:
+    sc, sim = demo()
+    lab = {k: v for k, v in sim.items() if k != "runs"}
+    rows = compare(sc, SHORT, sim, lab)
+    for name in ("degradation", "relay_failure", "jitter"):
+        assert rows[name]["final_routes_same"]["share"] == 1.0
+        assert rows[name]["changes"]["ok"] is True
+    off = {**lab, "relay_failure": {**lab["relay_failure"], "outage_s": 5.0}}
+    assert compare(sc, SHORT, sim, off)["relay_failure"]["outage_s"]["ok"] is False
+
+
+def test_same_routes_counts_ordered_pairs() -> None:
+    a = {"x": {"y": "y", "z": "y"}, "y": {"x": "x"}}
+    b = {"x": {"y": "y", "z": "z"}, "y": {"x": "x"}}
+    assert same_routes(a, b) == 2 / 3
+    assert same_routes(a, None) is None
