@@ -403,11 +403,15 @@ def decide(
     table = np.where(forced, b, table)
     repaired: BoolArray = forced & ~switched
     changed: BoolArray = table != c
+    # A pair's confirm count restarts when either of its entries changes, as its hold
+    # does: a count kept by the entry that did not change (np.fmin above) let a small
+    # gain be taken less than confirm_s after the pair last changed (hypothesis found it).
+    restart = _pairwise(changed) if symmetric else changed
     return Decision(
         installed=Installed(
             next_hop=table,
             since=np.where(changed, float(now), np.asarray(installed.since)),
-            better_since=np.where(changed, np.nan, better_since),
+            better_since=np.where(restart, np.nan, better_since),
         ),
         changed=changed,
         failed=failed & changed,
