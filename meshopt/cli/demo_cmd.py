@@ -60,13 +60,24 @@ def demo_cmd(
     out = console()
     err = console(stderr=True)
 
-    def on_term(_sig: int, _frame: FrameType | None) -> None:
+    # An interrupt is remembered as well as raised: one that lands in a library's import
+    # can be swallowed (Cython's module init ignores errors while it registers its ABCs;
+    # a Ctrl-C during numpy.random's first import went unseen and the demo ran on), so
+    # every progress step raises it again until the demo tears down.
+    interrupted: list[int] = []
+
+    def on_signal(sig: int, _frame: FrameType | None) -> None:
+        interrupted.append(sig)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGTERM, on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, on_signal)
     with err.status("starting") as status:
 
         def progress(msg: str) -> None:
+            if interrupted and msg != "tearing down":
+                raise KeyboardInterrupt
             status.update(msg)
             if not msg.startswith("converging"):
                 err.log(msg)
@@ -74,6 +85,8 @@ def demo_cmd(
         report = run_demo(
             spec, name=name, layout=layout, progress=progress, insecure_broker=insecure_broker
         )
+    if interrupted:
+        raise KeyboardInterrupt
     if as_json:
         print_json(report.to_json())
         return
