@@ -214,7 +214,11 @@ class _PeerArrays:
     sent: FloatArray  # probes sent to the peer so far
     bandwidth: FloatArray
     pmtu: FloatArray
-    source: tuple[int, int]  # (id, version) of the rows they were built from
+    # The rows they were built from, and their change count then. Held, not named by
+    # ``id``: a snapshot frees the last rows, and a new table at the freed address with the
+    # same count read as unchanged (stale RTTs in the matrices; a CI flake found it).
+    source: _Rows
+    version: int
     dst: np.ndarray | None = None  # node index per peer (-1: none), for ``layout``
     layout: int = -1
 
@@ -238,7 +242,8 @@ class _PeerArrays:
             sent=np.array([p.probes_sent for p in reps], dtype=np.float64),
             bandwidth=col("bandwidth_mbit"),
             pmtu=col("pmtu"),
-            source=(id(rows), rows.version),
+            source=rows,
+            version=rows.version,
         )
 
 
@@ -296,7 +301,7 @@ class NodeInfo:
         rows = self._rows
         assert rows is not None
         a = self._arrays
-        if a is None or a.source != (id(rows), rows.version):
+        if a is None or a.source is not rows or a.version != rows.version:
             a = self._arrays = _PeerArrays.of(rows)
         return a
 

@@ -138,6 +138,24 @@ def test_delta_telemetry_merges_and_full_snapshot_replaces(
     assert cost_of(view, 2.0, "a", "c") == math.inf  # c is no longer a's peer
 
 
+def test_every_snapshot_is_read_though_a_new_row_table_may_reuse_a_freed_address(
+    trio: tuple[Node, Node, Node],
+) -> None:
+    """A snapshot's rows replace the last ones, which are freed; the new table can land at
+    the freed one's address with the same change count. The matrices must still be built
+    from the new rows (they were once cached by ``id``, and a CI run read an old RTT)."""
+    view = MeshView(MESH)
+    full_mesh(view, trio, 10.0, 0.0)
+    a = trio[0]
+    for i in range(1, 400):
+        rtt = 10.0 + i % 7
+        peers = [peer(o.keys[0], rtt) for o in trio if o is not a]
+        view.take("a", a.telemetry(peers, sent_at=1000.0 + i, full=True), float(i))
+        assert view.nodes["a"].arrays().rtt.tolist() == [rtt, rtt], i
+        m = view.matrices(float(i))
+        assert m.rtt[m.names.index("a"), m.names.index("b")] == pytest.approx(rtt), i
+
+
 # -- refused telemetry --------------------------------------------------------------------
 
 
