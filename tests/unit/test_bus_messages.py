@@ -310,7 +310,11 @@ def test_bad_prefix(prefix: str) -> None:
     assert reason_of(rs, decode_route_set) == "bad_prefix"
 
 
-@pytest.mark.parametrize("key", ["", "abc", "A" * 44, KEY_A[:-1] + "!", KEY_A + "A"])
+@pytest.mark.parametrize(
+    "key",
+    ["", "abc", "A" * 44, KEY_A[:-1] + "!", KEY_A + "A"],
+    ids=["empty", "short", "44-chars", "bad-char", "45-chars"],  # KEY_A is random
+)
 def test_bad_key(key: str) -> None:
     assert reason_of(patched(telemetry(), ["public_key"], key)) == "bad_key"
     assert reason_of(patched(telemetry(), ["peers", 0, "public_key"], key)) == "bad_key"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import time
 
@@ -143,7 +144,7 @@ def test_train_packet_and_report_round_trip() -> None:
         b"",
         b"MOTR",
         b"XXXX" + bytes(40),
-        os.urandom(64),
+        random.Random(64).randbytes(64),  # fixed: test ids must match across pytest workers
         b"MOTR\x02\x01" + bytes(40),  # version 2
         b"MOTR\x01\x02" + bytes(40),  # a report where a train packet belongs
         encode_train_packet(TrainPacket(1, NONCE, 0, 4), 100)[:20],  # truncated

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -415,9 +414,7 @@ def test_a_thousand_node_mesh_runs() -> None:
     opt = compute_routes(topology_costs(topo), topo.names)
     relayed = opt.relayed()
     hub = topo.names[int(np.bincount(opt.next_hop[relayed], minlength=topo.n).argmax())]
-    started = time.perf_counter()
     r = run(topo, f"at=6.5s node={hub} down", duration_s=12.0)
-    elapsed = time.perf_counter() - started
     assert r.nodes == 1000 and r.pairs == 499_500
     assert r.gains.improved > 50_000  # the geo generator's detours: relaying often wins
     ev = only_event(r)
@@ -425,4 +422,3 @@ def test_a_thousand_node_mesh_runs() -> None:
     assert r.failovers > 0
     assert ev.outage_s is not None  # ... and they are all restored ...
     assert ev.outage_s <= FAILOVER_S[1]  # ... by the agents, before the next recompute
-    assert elapsed < 60.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -66,11 +65,11 @@ def test_geo_mesh_breaks_the_triangle_inequality() -> None:
     assert 0.2 < wins < 0.9  # like measured Internet RTTs, relaying often helps
 
 
-def test_geo_mesh_thousand_nodes_is_fast() -> None:
-    start = time.perf_counter()
+def test_geo_mesh_thousand_nodes() -> None:
+    # Its speed is a benchmark's business (scripts/bench_sim_scale.py), not a timed test's.
     topo = geo_mesh(1000, seed=5)
-    assert time.perf_counter() - start < 1.0
     assert topo.delay_ms.shape == (1000, 1000)
+    assert np.all(np.isfinite(topo.delay_ms)) and np.all(np.diag(topo.delay_ms) == 0)
 
 
 def test_ring_never_needs_a_relay() -> None:
