@@ -66,6 +66,8 @@ class RunResult:
     within_5pct: int = 0
     within_goal: int = 0  # within max(5 %, 1 ms)
     on_optimum_path: int = 0
+    path_within_goal: int = 0  # the path taken, by its configured RTT, within max(5 %, 1 ms)
+    overhead_ms: dict[str, float | None] = field(default_factory=dict)  # ping over path RTT
     policy_optimal: int = 0
     pairs: int = 0
     median_error: float | None = None
@@ -184,6 +186,14 @@ def one_run(
             and q.achieved_ms <= max(q.optimum_ms * 1.05, q.optimum_ms + 1.0)
         )
         res.on_optimum_path = sum(1 for q in quality if q.path == q.optimum_path)
+        # The route's share of a miss and the lab's: the path taken judged by its configured
+        # RTT, and how far pings ran above that (wireguard-go, emulator, scheduling).
+        res.path_within_goal = sum(1 for q in quality if q.path_within())
+        over = sorted(o for q in quality if (o := q.overhead_ms) is not None)
+        res.overhead_ms = {
+            "median": statistics.median(over) if over else None,
+            "max": over[-1] if over else None,
+        }
         res.policy_optimal = sum(1 for q in quality if q.policy_optimal)
         res.median_error = statistics.median(errs) if errs else None
         res.worst = [
@@ -194,12 +204,15 @@ def one_run(
                 "path": q.path,
                 "optimum_path": q.optimum_path,
                 "policy_keeps_it": q.policy_optimal,
+                "path_ms": q.path_ms,
             }
             for q in sorted(quality, key=lambda q: -(q.error or 0))[:3]
         ]
         progress(
             f"run {index}: {res.within_5pct}/{res.pairs} pairs within 5 % of the optimum, "
-            f"{res.within_goal} within max(5 %, 1 ms), {res.on_optimum_path} on its path"
+            f"{res.within_goal} within max(5 %, 1 ms), {res.on_optimum_path} on its path, "
+            f"{res.path_within_goal} on a path within max(5 %, 1 ms) by its configured RTT "
+            f"(pings above it: median {res.overhead_ms['median']} ms)"
         )
 
         deg = pick_degradation(lab.topo, best, symmetric=layout == "single")
@@ -299,6 +312,21 @@ def stability(
         lab.down()
 
 
+def _quality_verdict(results: list[RunResult]) -> str:
+    """Whose miss a route-quality miss is: the routes' (a path worse than the goal by its
+    configured RTT) or the lab's (the right path, pinged slower than configured)."""
+    routes = sum(r.pairs - r.path_within_goal for r in results)
+    pings = sum(r.pairs - r.within_goal for r in results)
+    if not routes and not pings:
+        return "every pair within the goal in every run"
+    if not routes:
+        return (
+            f"every pair on a path within the goal; {pings} ping readings over it were the "
+            "lab's own forwarding delay (see ping_over_path_rtt_ms_by_run)"
+        )
+    return f"{routes} pair readings on a path outside the goal by its configured RTT"
+
+
 def _fidelity(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Whether the lab kept its timing in every run: a figure from a run where it did
     not says more about the machine than about meshopt."""
@@ -350,11 +378,18 @@ def _bench(
             "share_within_5pct": statistics.median(within) if within else None,
             "within_max_5pct_1ms_by_run": [r.within_goal for r in results],
             "on_the_optimum_path_by_run": [r.on_optimum_path for r in results],
+            # The route's part of the goal: the path taken, by its configured RTT. Where
+            # this holds and the pings miss, the lab's own forwarding is the miss.
+            "path_within_max_5pct_1ms_by_run": [r.path_within_goal for r in results],
+            "ping_over_path_rtt_ms_by_run": [r.overhead_ms for r in results],
             "share_on_a_path_the_policy_keeps": statistics.median(kept) if kept else None,
             "median_error": summary([r.median_error for r in results])["median"],
             "worst_pairs_by_run": [r.worst for r in results],
-            "goal": "every pair within 5 % of the optimum",
-            "ok": bool(within) and min(within) == 1.0,
+            "goal": "every pair within max(5 %, 1 ms) of the optimum",
+            "ok": bool(results) and all(r.pairs and r.within_goal == r.pairs for r in results),
+            "routes_ok": bool(results)
+            and all(r.pairs and r.path_within_goal == r.pairs for r in results),
+            "verdict": _quality_verdict(results),
         },
         "initial_convergence_s": med("converged_s"),
         "small_gains_taken_s": med("settled_s"),

@@ -41,6 +41,21 @@ class PairQuality:
     achieved_ms: float | None  # median ping RTT through the installed routes
     path: list[str]  # as the nodes forward now
     policy_optimal: bool = False  # the path is one the anti-flap policy would keep
+    path_ms: float | None = None  # configured underlay RTT along ``path`` (None: no path)
+
+    @property
+    def overhead_ms(self) -> float | None:
+        """Ping RTT above the configured RTT of the path the packets took: the lab's own
+        forwarding cost (wireguard-go, the emulator, scheduling), not the route's."""
+        if self.achieved_ms is None or self.path_ms is None:
+            return None
+        return self.achieved_ms - self.path_ms
+
+    def path_within(self, rel: float = 0.05, abs_ms: float = 1.0) -> bool:
+        """The path taken is, by its configured RTT, within max(rel, abs_ms) of the optimum."""
+        if self.path_ms is None:
+            return False
+        return self.path_ms <= self.optimum_ms + max(rel * self.optimum_ms, abs_ms)
 
     @property
     def error(self) -> float | None:
@@ -85,10 +100,22 @@ def route_quality(
             achieved_ms=statistics.median(rtts) if rtts else None,
             path=path,
             policy_optimal=near_optimum(best, path, abs_margin_ms),
+            path_ms=path_rtt(best, path),
         )
 
     with ThreadPoolExecutor(max_workers=3) as pool:
         return list(pool.map(one, todo))
+
+
+def path_rtt(best: Plan, path: Sequence[str]) -> float | None:
+    """Configured underlay RTT along ``path`` (None for an incomplete or tunnel-less one)."""
+    if len(path) < 2 or "?" in path:
+        return None
+    index = {n: i for i, n in enumerate(best.tables.names)}
+    if any(x not in index for x in path):
+        return None
+    total = sum(float(best.rtt[index[x], index[y]]) for x, y in itertools.pairwise(path))
+    return total if math.isfinite(total) else None
 
 
 def path_cost(best: Plan, path: Sequence[str]) -> float:
