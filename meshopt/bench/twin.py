@@ -210,29 +210,6 @@ def _med(values: list[Any]) -> float | None:
 # --- the lab's side ----------------------------------------------------------------------
 
 
-class _BootWatch(threading.Thread):
-    """When each agent logged that it is up (reading its lab log every 0.1 s), in
-    seconds from ``t0``: the agents' start-up, an input of the simulated twin."""
-
-    def __init__(self, logs: dict[str, Any], t0: float, timeout_s: float = 60.0) -> None:
-        super().__init__(daemon=True)
-        self.logs, self.t0, self.timeout_s = logs, t0, timeout_s
-        self.up: dict[str, float] = {}
-
-    def run(self) -> None:
-        while len(self.up) < len(self.logs) and time.monotonic() - self.t0 < self.timeout_s:
-            for node, path in self.logs.items():
-                if node in self.up:
-                    continue
-                try:
-                    text = path.read_text(errors="replace")
-                except OSError:
-                    continue
-                if " up: interfaces " in text:
-                    self.up[node] = time.monotonic() - self.t0
-            time.sleep(0.1)
-
-
 class _Reader(threading.Thread):
     """Every node's next hops, read again and again; (time from t0, hops) per reading."""
 
@@ -307,10 +284,10 @@ def _at(
 def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict[str, Any]:
     """One lab run of the scenario's timeline (root; minutes)."""
     from meshopt.bench.cpuload import lag_window
+    from meshopt.lab.agents import BootWatch, agent_logs
     from meshopt.lab.lab import Lab
     from meshopt.lab.measure import outage_time
     from meshopt.lab.mesh import LiveMesh
-    from meshopt.lab.state import lab_dir
 
     lab = Lab.up(sc.topo, name=f"twin{index}", layout="single")
     mesh = LiveMesh(lab)
@@ -318,11 +295,9 @@ def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict
     out: dict[str, Any] = {}
     try:
         timing = lab.emulator.stats()
-        logs = {n: lab_dir(lab.plan.lab_id) / "agents" / f"{n}.log" for n in mesh.nodes}
-        for path in logs.values():  # a log left from an earlier start would read as up
-            path.unlink(missing_ok=True)
+        logs = agent_logs(lab, mesh.nodes)
         t0 = time.monotonic()
-        watch = _BootWatch(logs, t0)
+        watch = BootWatch(logs, t0)
         watch.start()
         mesh.start()
         started = time.monotonic() - t0

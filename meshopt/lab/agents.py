@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -217,3 +219,34 @@ def enrolment(lab: Lab) -> dict[str, dict[str, Any]]:
             ],
         }
     return out
+
+
+class BootWatch(threading.Thread):
+    """When each agent logged that it is up (reading its lab log every 0.1 s), in
+    seconds from ``t0``: the agents' start-up, an input of the simulated twin."""
+
+    def __init__(self, logs: Mapping[str, Path], t0: float, timeout_s: float = 60.0) -> None:
+        super().__init__(daemon=True)
+        self.logs, self.t0, self.timeout_s = logs, t0, timeout_s
+        self.up: dict[str, float] = {}
+
+    def run(self) -> None:
+        while len(self.up) < len(self.logs) and time.monotonic() - self.t0 < self.timeout_s:
+            for node, path in self.logs.items():
+                if node in self.up:
+                    continue
+                try:
+                    text = path.read_text(errors="replace")
+                except OSError:
+                    continue
+                if " up: interfaces " in text:
+                    self.up[node] = time.monotonic() - self.t0
+            time.sleep(0.1)
+
+
+def agent_logs(lab: Lab, nodes: Sequence[str]) -> dict[str, Path]:
+    """Each agent's lab log, removed first: a log left from an earlier start would read as up."""
+    logs = {n: lab_dir(lab.plan.lab_id) / "agents" / f"{n}.log" for n in nodes}
+    for path in logs.values():
+        path.unlink(missing_ok=True)
+    return logs
