@@ -86,9 +86,8 @@ root-sum-square (:func:`rss_path_cost`), and a relay hop costs what it measurabl
 costs. The controller runs the first ``startup_s`` with a short hold and confirm time
 (both ``startup_hold_s``), so routes chosen on a few samples improve quickly.
 
-A first install (``installed is None``) counts as a change: its relayed entries are
-held for ``hold_s`` from ``now`` (failures still switch at once). Its direct entries
-are not: the traffic was on the direct tunnel before, so nothing moved.
+A first install (``installed is None``) counts as a change: its entries are
+held for ``hold_s`` from ``now`` (failures still switch at once).
 """
 
 from __future__ import annotations
@@ -290,12 +289,8 @@ def _first_install(best: RouteTables, now: float) -> Decision:
     n = best.n
     off = ~np.eye(n, dtype=bool)
     none = np.zeros((n, n), dtype=bool)
-    # Only a relay moves traffic: a direct entry is where WireGuard already sends it, so it
-    # starts no hold, and a relay the next samples prove is taken at once.
-    direct = best.next_hop == np.arange(n)[np.newaxis, :]
-    since = np.where(direct, -np.inf, float(now))
     return Decision(
-        installed=Installed(next_hop=best.next_hop.copy(), since=since),
+        installed=Installed(next_hop=best.next_hop.copy(), since=np.full((n, n), float(now))),
         changed=off & (best.next_hop != NO_ROUTE),
         failed=none,
         improved=none.copy(),

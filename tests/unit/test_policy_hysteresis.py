@@ -119,8 +119,7 @@ def check_run(run: Run, *, symmetric: bool = False) -> dict[tuple[int, int], int
     first = decide(None, best, run.costs[0], run.noise[0], now, cfg, symmetric=symmetric)
     prev: Installed = first.installed
     keys = [(s, t) for s in range(n) for t in range(n) if s != t]
-    # The first install holds its relayed entries; a direct one moved no traffic.
-    last_change = {k: now if first.installed.next_hop[k] != k[1] else -math.inf for k in keys}
+    last_change = dict.fromkeys(keys, now)
     history = {_pair(key, symmetric): Seen() for key in keys}
     changes = dict.fromkeys(keys, 0)  # the entries' own switches (improved)
     for cost, noise, gap in zip(run.costs[1:], run.noise[1:], run.gaps, strict=True):
