@@ -202,6 +202,9 @@ class RouteEngine:
         if not route_sets:
             return  # nothing installed anywhere yet: agents are on their direct tunnels
         inst = direct_installed(m.cost)
+        # The hold the last controller kept is not in the retained sets: start one now, so
+        # a take-over does not undo what it held (failures and far worse paths still move).
+        inst.since = np.full_like(inst.since, float(now))
         n = len(names)
         backup = np.full((n, n), NO_ROUTE, dtype=np.int64)
         bulk = np.full((n, n), NO_ROUTE, dtype=np.int64)

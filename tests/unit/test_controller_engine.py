@@ -299,6 +299,37 @@ def test_adopt_reproduces_the_installed_next_hops(per_peer: bool) -> None:
     assert c.routes == last.routes
 
 
+def test_a_take_over_keeps_what_the_active_controller_held() -> None:
+    """A standby taking over must not undo the hold: the entry the active controller just
+    moved (and would hold for hold_s) stays put for hold_s after the take-over, though a
+    controller without that history would move it back; a failure still moves at once."""
+    mesh = Mesh("abc")
+    active = RouteEngine(PolicyConfig(hold_s=30.0))
+    tri = both({("a", "b"): 30.0, ("a", "c"): 10.0, ("c", "b"): 10.0})
+    mesh.report(tri, 0.0)
+    last = active.compute(mesh.view, 0.0)
+    assert mesh.hop(last, "a", "b") == "c"  # relayed: 20.1 ms against 30 ms
+    # The relay's links get slower: the direct tunnel would now win by the margins
+    # (30 ms against 40.1 ms), but the active controller changed this entry at 0 s.
+    slower = {**tri, **both({("a", "c"): 20.0, ("c", "b"): 20.0})}
+    mesh.report(slower, 10.0)
+    held = active.compute(mesh.view, 10.0)
+    assert mesh.hop(held, "a", "b") == "c" and held.decision.held.any()
+    standby = RouteEngine(PolicyConfig(hold_s=30.0))
+    standby.adopt(mesh.view, mesh.route_sets(held), 11.0)
+    c = standby.compute(mesh.view, 12.0)
+    assert mesh.hop(c, "a", "b") == "c" and not c.decision.changed.any()
+    c = standby.compute(mesh.view, 41.5)  # the hold, counted from the take-over, is over
+    assert mesh.hop(c, "a", "b") == "b" and c.decision.improved.any()
+    # Inside the hold a dead relay still moves the route at once.
+    standby = RouteEngine(PolicyConfig(hold_s=30.0))
+    standby.adopt(mesh.view, mesh.route_sets(held), 11.0)
+    gone = {k: v for k, v in slower.items() if "c" not in k or k == ("c", "b")}
+    mesh.report({**gone}, 12.0)
+    c = standby.compute(mesh.view, 12.0)
+    assert mesh.hop(c, "a", "b") == "b"
+
+
 def test_adopt_with_nothing_retained_starts_on_direct_tunnels() -> None:
     mesh = Mesh("abc")
     mesh.report(TRIANGLE, 0.0)
