@@ -583,7 +583,7 @@ def route_sets(
             continue
         row = cache.rows.get(s_name) if cache is not None else None
         inputs = _row_inputs(c, s, online)
-        peers = frozenset(view.nodes[s_name].peers)
+        peers = frozenset(view.nodes[s_name].peer_keys())
         redo: BoolArray | None = None
         prev: dict[int, list[Route]] | None = None
         if row is not None and row.peers == peers:
@@ -631,7 +631,7 @@ def _node_routes(
     backup = c.best.backup
     info = view.nodes[names[s]]
     key_for: dict[int, str] = {}
-    for key in info.peers:
+    for key in info.peer_keys():
         o = owner.get(key)
         if o is not None:
             key_for[index[o]] = key
