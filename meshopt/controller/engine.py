@@ -31,6 +31,7 @@ the simulator predicts is what the controller does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -636,6 +637,7 @@ def _node_routes(
         if o is not None:
             key_for[index[o]] = key
     per_dest: dict[int, list[Route]] = {}
+    paths_row = c.bulk_paths.row(s) if c.bulk_paths is not None else None
     for d, d_name in enumerate(names):
         if prev is not None and redo is not None and not redo[d]:
             if d in prev:
@@ -668,7 +670,9 @@ def _node_routes(
             bh = int(c.bulk_next_hop[s, d])
             if bh != NO_ROUTE and bh in key_for:
                 for addr in view.nodes[d_name].addresses:
-                    t = _sticky_tuning(tuned, (names[s], d_name, addr), c.bulk_paths, s, d)
+                    t = _sticky_tuning(
+                        tuned, (names[s], d_name, addr), c.bulk_paths, s, d, paths_row
+                    )
                     add(
                         Route(
                             dst=addr,
@@ -730,6 +734,15 @@ class _BulkPaths:
     bw: FloatArray  # 0: a hop without a rate
     pmtu: FloatArray
 
+    def row(self, s: int) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Row ``s`` of hops, RTT, rate and PMTU as Python lists."""
+        return (
+            self.hops[s].tolist(),
+            self.rtt[s].tolist(),
+            self.bw[s].tolist(),
+            self.pmtu[s].tolist(),
+        )
+
     @classmethod
     def of(cls, next_hop: IntArray, m: Matrices) -> _BulkPaths:
         n = next_hop.shape[0]
@@ -761,17 +774,20 @@ def _sticky_tuning(
     paths: _BulkPaths,
     s: int,
     d: int,
+    row: tuple[list[float], list[float], list[float], list[float]] | None = None,
 ) -> TcpTuning | None:
     """``bulk_tuning``, unless the path's RTT and rate are still close to the values its
     last settings came from (same hop count and PMTU): then those settings (no new route
-    set for noise)."""
-    hops = paths.hops[s, d]
-    if not np.isfinite(hops) or hops < 1:
+    set for noise). ``row``: row ``s`` of the paths' hops, RTT, rate and PMTU as lists
+    (:meth:`_BulkPaths.row`; a numpy scalar read per pair cost seconds at 1000 nodes)."""
+    if row is None:
+        row = paths.row(s)
+    hops, r, b, pm = row[0][d], row[1][d], row[2][d], row[3][d]
+    if not math.isfinite(hops) or hops < 1:
         return None
-    r, b = float(paths.rtt[s, d]), float(paths.bw[s, d])
-    rtt = r if np.isfinite(r) else None
+    rtt = r if math.isfinite(r) else None
     bw = b if b > 0 else None
-    pmtu = int(paths.pmtu[s, d])
+    pmtu = int(pm)
     old = tuned.get(key)
     if (
         old is not None
@@ -823,10 +839,21 @@ def _tuning(
         bw = float(1.25 ** math.floor(math.log(bw, 1.25)))
         bw = bw if bw > 0 else None
     family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    t = _quantised_tuning(rtt, bw, pmtus, family, n_hops)
+    return TcpTuning(mtu=t[0], advmss=t[1], window=t[2], initcwnd=t[3], initrwnd=t[4])
+
+
+@functools.lru_cache(maxsize=65536)
+def _quantised_tuning(
+    rtt: float | None, bw: float | None, pmtus: tuple[int, ...], family: int, n_hops: int
+) -> tuple[int, int, int | None, int | None, int | None]:
+    """:func:`tcp_tuning` of quantised path values, remembered: the steps are coarse, so
+    a 1000-node mesh's million bulk routes take a few hundred distinct values (computing
+    each pair's cost 15 s of a recompute there)."""
     # A path narrower than the family's minimum MTU (an IPv6 route over a 1000-byte
     # path) cannot be tuned to fit: such a measurement counts as none (the default MTU).
     measured = all(pmtus) and min(pmtus) >= MIN_MTU[family]
-    return tcp_tuning(
+    t = tcp_tuning(
         # A measured PMTU through a tunnel is its underlay MTU minus the overhead.
         [p + 80 for p in pmtus] if measured else None,
         family,
@@ -834,3 +861,4 @@ def _tuning(
         rtt,
         relay_hops=n_hops - 1,
     )
+    return (t["mtu"], t["advmss"], t["window"], t["initcwnd"], t["initrwnd"])
