@@ -49,8 +49,8 @@ TICK_S = 0.05
 MAX_IN_FLIGHT = 8  # route sets published at once (each awaits its own PUBACK)
 # Leases and controller status only touch the lease keeper: taken even mid-recompute.
 LIVE_KINDS = frozenset({"lease", "controller_status"})
-SUMMARY_S = 2.0
-DRAIN_SLICE_S = 0.02  # longest run of held messages taken without yielding to the loop  # how often a changed tally of dropped input is logged
+SUMMARY_S = 2.0  # how often a changed tally of dropped input is logged
+DRAIN_SLICE_S = 0.02  # longest run of held messages taken without yielding to the loop
 # What a reload cannot change under a running controller (identity, broker session,
 # lease timing, the graph's shape); node_keys, controller_keys and [policy] can.
 CONTROLLER_RESTART_ONLY = (

@@ -713,7 +713,7 @@ def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:
     return path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Tuned:
     """A bulk route's TCP settings and the path values they were computed from."""
 
@@ -839,21 +839,21 @@ def _tuning(
         bw = float(1.25 ** math.floor(math.log(bw, 1.25)))
         bw = bw if bw > 0 else None
     family = socket.AF_INET6 if ":" in dst else socket.AF_INET
-    t = _quantised_tuning(rtt, bw, pmtus, family, n_hops)
-    return TcpTuning(mtu=t[0], advmss=t[1], window=t[2], initcwnd=t[3], initrwnd=t[4])
+    return _quantised_tuning(rtt, bw, pmtus, family, n_hops)
 
 
 @functools.lru_cache(maxsize=65536)
 def _quantised_tuning(
     rtt: float | None, bw: float | None, pmtus: tuple[int, ...], family: int, n_hops: int
-) -> tuple[int, int, int | None, int | None, int | None]:
+) -> TcpTuning:
     """:func:`tcp_tuning` of quantised path values, remembered: the steps are coarse, so
     a 1000-node mesh's million bulk routes take a few hundred distinct values (computing
-    each pair's cost 15 s of a recompute there)."""
+    each pair's cost 15 s of a recompute there). Every route with the same values shares
+    one dict (a million of them cost ~300 MB): read it, never change it."""
     # A path narrower than the family's minimum MTU (an IPv6 route over a 1000-byte
     # path) cannot be tuned to fit: such a measurement counts as none (the default MTU).
     measured = all(pmtus) and min(pmtus) >= MIN_MTU[family]
-    t = tcp_tuning(
+    return tcp_tuning(
         # A measured PMTU through a tunnel is its underlay MTU minus the overhead.
         [p + 80 for p in pmtus] if measured else None,
         family,
@@ -861,4 +861,3 @@ def _quantised_tuning(
         rtt,
         relay_hops=n_hops - 1,
     )
-    return (t["mtu"], t["advmss"], t["window"], t["initcwnd"], t["initrwnd"])

@@ -284,8 +284,13 @@ class _PeerArrays:
         else:
             pmtu = pm_raw.astype(np.float64)
             pmtu = np.where(pmtu < MIN_PMTU, np.nan, pmtu)
+        keys = _KEY_LISTS.get(table.keys)
+        if keys is None:
+            if len(_KEY_LISTS) >= _MAX_KEY_LISTS:
+                _KEY_LISTS.clear()
+            keys = _KEY_LISTS[table.keys] = table.key_list()
         return cls(
-            keys=table.key_list(),
+            keys=list(keys),
             alive=alive,
             rtt=scaled("rtt", DELAY_UNIT_MS, NONE_U32, MAX_DELAY_MS),
             jitter=scaled("jitter", DELAY_UNIT_MS, NONE_U32, MAX_DELAY_MS),
@@ -299,6 +304,11 @@ class _PeerArrays:
             table=table,
         )
 
+
+# A node's peers' keys in base64, by the table's packed keys: every snapshot of a node
+# repeats them (999 base64 encodings a snapshot at 1000 nodes). Bounded.
+_KEY_LISTS: dict[bytes, list[str]] = {}
+_MAX_KEY_LISTS = 8192
 
 # Deltas taken before a node's rows are next read are kept as layers; past this many the
 # rows are built at once (bounds memory when nothing reads them, e.g. before routing).
