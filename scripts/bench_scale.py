@@ -298,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         help="longest wait for every node's first route set (default 60 s, 180 s above 250)",
     )
     ap.add_argument(
+        "--change-window",
+        type=float,
+        default=None,
+        help="longest wait for route sets after an injected change (default 20 s, 60 s above 250)",
+    )
+    ap.add_argument(
         "--full-interval",
         type=float,
         default=5.0,
@@ -402,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                     full_interval_s=args.full_interval,
                     steady_s=args.steady,
                     routes_timeout_s=args.routes_timeout or (60.0 if n <= 250 else 180.0),
-                    change_window_s=20.0 if n <= 250 else 60.0,
+                    change_window_s=args.change_window or (20.0 if n <= 250 else 60.0),
                     generator_procs=args.generator_procs,
                     startup_changes=args.startup_changes,
                 )
