@@ -96,6 +96,11 @@ FIGURES: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "agent_reconnects": (("agent_reconnects",), None, None),
     "agent_keepalive_timeouts": (("broker_keepalive_timeouts", "agents"), None, None),
     "controller_keepalive_timeouts": (("broker_keepalive_timeouts", "controller"), None, None),
+    "controller_broker_dropping": (
+        ("broker_keepalive_timeouts", "controller_dropping"),
+        None,
+        None,
+    ),
     "verify_ms_per_set": (("verify_ms_per_set",), None, None),
     "agent_up_bytes_per_s": (("steady", "agent_up_bytes_per_s"), 2000.0, 5000.0),
     "agent_down_bytes_per_s": (("steady", "agent_down_bytes_per_s"), None, None),

@@ -965,15 +965,20 @@ async def _run(
 
 def _timeouts(stack: Stack) -> dict[str, int]:
     """Clients the broker disconnected for silence longer than 1.5 x keepalive (a
-    blocked event loop): the controller's and the agents'."""
-    out = {"controller": 0, "agents": 0}
+    blocked event loop): the controller's and the agents'; and how often the broker
+    began dropping messages to a client that read too slowly (its queue full; mosquitto
+    logs each start of a run of drops): ``controller_dropping``, ``agents_dropping``."""
+    out = {"controller": 0, "agents": 0, "controller_dropping": 0, "agents_dropping": 0}
     try:
         text = (stack.dir / "mosquitto.log").read_text(errors="replace")
     except OSError:
         return out
     for line in text.splitlines():
+        who = "controller" if "meshopt-controller" in line else "agents"
         if "exceeded timeout" in line:
-            out["controller" if "meshopt-controller" in line else "agents"] += 1
+            out[who] += 1
+        elif "messages are being dropped" in line:
+            out[f"{who}_dropping"] += 1
     return out
 
 
