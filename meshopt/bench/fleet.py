@@ -330,6 +330,10 @@ class Fleet:
         n = 0
         for ag in self.agents.values():
             rs = ag.core.route_set
+            # A node stopped before (the start-up change's) keeps its last set but gets
+            # no new one: watching it would count it affected and never fixed.
+            if not ag.running:
+                continue
             if ag.index != victim and rs is not None and not avoids(dead)(rs):
                 ag.expect(t0, avoids(dead))
                 n += 1

@@ -624,6 +624,11 @@ class SyntheticAgent:
                     await t
 
     @property
+    def running(self) -> bool:
+        """Started and not stopped: its session can still receive route sets."""
+        return self.task is not None and not self.task.done()
+
+    @property
     def has_routes(self) -> bool:
         return self.core.route_set is not None
 

@@ -120,3 +120,37 @@ def test_tiny_mesh_through_two_worker_processes() -> None:
     from meshopt.bench import synthetic
 
     assert not synthetic._POOLS  # the pool was closed and forgotten
+
+
+def test_a_node_stopped_earlier_is_not_watched_for_a_later_death() -> None:
+    """With --startup-changes a node dies in start-up; it keeps its last route set but
+    gets no new one, so a later death must not count it among the affected (it was
+    counted, and never fixed, in the first runs of this)."""
+    from meshopt.bench.fleet import Fleet
+
+    mesh = SyntheticMesh(4, seed=1)
+    key, _ = generate_signing_key()
+    fleet = Fleet(mesh, {i: BrokerSettings() for i in range(4)}, public_key_b64(key))
+    victim = mesh.nodes[3]
+
+    async def body() -> None:
+        never = asyncio.get_running_loop().create_future()
+        for i, ag in fleet.agents.items():
+            # Every node relays node 1's prefix through the victim.
+            ag.core.route_set = RouteSet(
+                mesh=MESH,
+                node=ag.node.name,
+                version=1,
+                issued_at=time.time(),
+                controller="ctl1",
+                term=1,
+                routes=[Route(dst=mesh.nodes[1].address, via=victim.wg_key)],
+            )
+            ag.task = never if i != 0 else None  # node 0 was stopped before
+        got = fleet.expect_avoid(3, 1.0)
+        assert got == {"watched": 2}  # nodes 1 and 2: not the victim, not stopped node 0
+        assert fleet.agents[0].watch is None and fleet.agents[1].watch is not None
+        never.cancel()
+        fleet.verifier.close()
+
+    asyncio.run(body())
