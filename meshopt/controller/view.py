@@ -221,6 +221,10 @@ class _PeerArrays:
     dst: np.ndarray | None = None  # node index per peer (-1: none), for ``layout``
     layout: int = -1
     table: PeerTable | None = None  # the snapshot's table they were built from, if so
+    # The rows they were built from, held: ``source`` names them by id(), and a new
+    # rows dict built after a snapshot can get the freed one's id and the same version
+    # count, so an id alone let stale arrays pass for new ones.
+    rows: _Rows | None = None
 
     @classmethod
     def of(cls, rows: _Rows) -> _PeerArrays:
@@ -243,6 +247,7 @@ class _PeerArrays:
             bandwidth=col("bandwidth_mbit"),
             pmtu=col("pmtu"),
             source=(id(rows), rows.version),
+            rows=rows,
         )
 
     @classmethod
@@ -385,7 +390,7 @@ class NodeInfo:
         rows = self._rows
         assert rows is not None
         a = self._arrays
-        if a is None or a.source != (id(rows), rows.version):
+        if a is None or a.rows is not rows or a.source != (id(rows), rows.version):
             a = self._arrays = _PeerArrays.of(rows)
         return a
 
