@@ -72,11 +72,36 @@ FIGURES: dict[str, tuple[tuple[str, ...], float | None, float | None]] = {
     "degrade_affected_latency_median_s": (("degrade", "affected_latency_median_s"), 1.0, 3.0),
     "death_affected_latency_median_s": (("death", "affected_latency_median_s"), 1.0, 3.0),
     "death_affected_latency_p95_s": (("death", "affected_latency_p95_s"), 1.0, 3.0),
+    "startup_degrade_affected_latency_median_s": (
+        ("startup_degrade", "affected_latency_median_s"),
+        1.0,
+        3.0,
+    ),
+    "startup_death_affected_latency_median_s": (
+        ("startup_death", "affected_latency_median_s"),
+        1.0,
+        3.0,
+    ),
+    "startup_death_affected_latency_p95_s": (
+        ("startup_death", "affected_latency_p95_s"),
+        1.0,
+        3.0,
+    ),
     "controller_cpu_pct": (("steady", "controller_cpu_pct"), 15.0, 60.0),
     "controller_cpu_pct_late": (("steady", "controller_cpu_pct_late"), 15.0, 60.0),
     "controller_rss_mb": (("steady", "controller_rss_mb"), 500.0, 2000.0),
     "broker_cpu_pct": (("steady", "broker_cpu_pct"), None, None),
     "generator_cpu_pct": (("steady", "generator_cpu_pct"), None, None),
+    "generator_loop_lag_p95_s": (("generator_loop_lag_p95_s",), None, None),
+    "agent_reconnects": (("agent_reconnects",), None, None),
+    "agent_keepalive_timeouts": (("broker_keepalive_timeouts", "agents"), None, None),
+    "controller_keepalive_timeouts": (("broker_keepalive_timeouts", "controller"), None, None),
+    "controller_broker_dropping": (
+        ("broker_keepalive_timeouts", "controller_dropping"),
+        None,
+        None,
+    ),
+    "verify_ms_per_set": (("verify_ms_per_set",), None, None),
     "agent_up_bytes_per_s": (("steady", "agent_up_bytes_per_s"), 2000.0, 5000.0),
     "agent_down_bytes_per_s": (("steady", "agent_down_bytes_per_s"), None, None),
     "route_sets_per_s_steady": (("steady", "route_sets_per_s"), None, None),
@@ -278,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         help="longest wait for every node's first route set (default 60 s, 180 s above 250)",
     )
     ap.add_argument(
+        "--change-window",
+        type=float,
+        default=None,
+        help="longest wait for route sets after an injected change (default 20 s, 60 s above 250)",
+    )
+    ap.add_argument(
         "--full-interval",
         type=float,
         default=5.0,
@@ -303,6 +334,19 @@ def main(argv: list[str] | None = None) -> int:
         f"when they start {STARTUP_S:g} s (the controller's start-up) after the agents "
         "connected; use --steady 80 or more at N = 250",
     )
+    ap.add_argument(
+        "--generator-procs",
+        type=int,
+        default=0,
+        help="worker processes for the synthetic agents, each with its own event loop and "
+        "a share of the agents (0: all in this process; use 4 at N = 1000)",
+    )
+    ap.add_argument(
+        "--startup-changes",
+        action="store_true",
+        help="also degrade a link and kill a node right after the first routes (inside "
+        "the controller's start-up minute), before the steady window",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, help="also write the JSON here")
     ap.add_argument("--baseline", type=Path, help="an earlier JSON output to compare with")
@@ -316,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes, args.runs, args.steady = ([20] if args.nodes == "50,250,1000" else sizes), 1, 8.0
     if args.runs < 1 or not sizes or min(sizes) < 2 or max(sizes) > 5000 or args.steady <= 0:
         ap.error("need --runs >= 1, sizes 2..5000 and --steady > 0")
+    if not 0 <= args.generator_procs <= 64:
+        ap.error("--generator-procs: want 0..64")
     if not 1.0 <= args.full_interval <= 300.0:
         ap.error("--full-interval: want 1..300 s")
     old = None
@@ -335,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             "controller_lease_s": args.lease_s,
             "full_interval_s": args.full_interval,
             "steady_s": args.steady,
+            "generator_procs": args.generator_procs,
+            "startup_changes": args.startup_changes,
             "runs": args.runs,
             "loadavg": {"start": list(os.getloadavg())},
             "cpu": "% of one core over the steady window, from /proc/<pid>/stat",
@@ -365,10 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                     full_interval_s=args.full_interval,
                     steady_s=args.steady,
                     routes_timeout_s=args.routes_timeout or (60.0 if n <= 250 else 180.0),
-                    change_window_s=20.0 if n <= 250 else 60.0,
+                    change_window_s=args.change_window or (20.0 if n <= 250 else 60.0),
+                    generator_procs=args.generator_procs,
+                    startup_changes=args.startup_changes,
                 )
+                load0 = list(os.getloadavg())
                 with CpuTrace(args.late) as trace:
                     run = asyncio.run(run_once(settings))
+                run["loadavg"] = {"start": load0, "end": list(os.getloadavg())}
                 if isinstance(run.get("steady"), dict):
                     run["steady"]["controller_cpu_pct_late"] = trace.late(args.late)
                 runs.append(run)

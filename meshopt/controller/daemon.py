@@ -50,6 +50,7 @@ MAX_IN_FLIGHT = 8  # route sets published at once (each awaits its own PUBACK)
 # Leases and controller status only touch the lease keeper: taken even mid-recompute.
 LIVE_KINDS = frozenset({"lease", "controller_status"})
 SUMMARY_S = 2.0  # how often a changed tally of dropped input is logged
+DRAIN_SLICE_S = 0.02  # longest run of held messages taken without yielding to the loop
 # What a reload cannot change under a running controller (identity, broker session,
 # lease timing, the graph's shape); node_keys, controller_keys and [policy] can.
 CONTROLLER_RESTART_ONLY = (
@@ -188,17 +189,36 @@ class Controller:
         self.core.prompt = False
         self._computing = True
         started = time.perf_counter()
+        actions: list[Publish] = []
         try:
             actions = await asyncio.to_thread(
                 self.core.recompute_now, now, wall, clear=False, signed=False
             )
+            self.recompute_seconds.observe(time.perf_counter() - started)
+            self._send(actions)  # the publishers start on them while the backlog drains
         finally:
-            self._computing = False
-            deferred, self._deferred = self._deferred, []
-            for topic, payload, retained in deferred:
+            try:
+                await self._drain_deferred()
+            finally:
+                self._computing = False
+
+    async def _drain_deferred(self) -> None:
+        """Take the messages held during a recompute, in order, giving the loop back every
+        ``DRAIN_SLICE_S``: at 1000 nodes a recompute of a minute held ~12,000 messages,
+        taken in one go they blocked the loop for seconds and mosquitto timed the
+        controller out for its missing keepalive. Messages arriving meanwhile are held
+        too (``_computing`` stays set) and taken after them."""
+        t = time.perf_counter()
+        while self._deferred:
+            batch, self._deferred = self._deferred, []
+            for i, (topic, payload, retained) in enumerate(batch):
                 self._take(topic, payload, retained)
-        self.recompute_seconds.observe(time.perf_counter() - started)
-        self._send(actions)
+                if time.perf_counter() - t >= DRAIN_SLICE_S and i + 1 < len(batch):
+                    # The rest of this batch goes before anything held meanwhile.
+                    self._deferred = batch[i + 1 :] + self._deferred
+                    await asyncio.sleep(0)
+                    t = time.perf_counter()
+                    break
 
     async def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
         if self._computing:

@@ -31,6 +31,7 @@ the simulator predicts is what the controller does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -586,7 +587,7 @@ def route_sets(
             continue
         row = cache.rows.get(s_name) if cache is not None else None
         inputs = _row_inputs(c, s, online)
-        peers = frozenset(view.nodes[s_name].peers)
+        peers = frozenset(view.nodes[s_name].peer_keys())
         redo: BoolArray | None = None
         prev: dict[int, list[Route]] | None = None
         if row is not None and row.peers == peers:
@@ -634,11 +635,12 @@ def _node_routes(
     backup = c.best.backup
     info = view.nodes[names[s]]
     key_for: dict[int, str] = {}
-    for key in info.peers:
+    for key in info.peer_keys():
         o = owner.get(key)
         if o is not None:
             key_for[index[o]] = key
     per_dest: dict[int, list[Route]] = {}
+    paths_row = c.bulk_paths.row(s) if c.bulk_paths is not None else None
     for d, d_name in enumerate(names):
         if prev is not None and redo is not None and not redo[d]:
             if d in prev:
@@ -671,7 +673,9 @@ def _node_routes(
             bh = int(c.bulk_next_hop[s, d])
             if bh != NO_ROUTE and bh in key_for:
                 for addr in view.nodes[d_name].addresses:
-                    t = _sticky_tuning(tuned, (names[s], d_name, addr), c.bulk_paths, s, d)
+                    t = _sticky_tuning(
+                        tuned, (names[s], d_name, addr), c.bulk_paths, s, d, paths_row
+                    )
                     add(
                         Route(
                             dst=addr,
@@ -712,7 +716,7 @@ def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:
     return path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Tuned:
     """A bulk route's TCP settings and the path values they were computed from."""
 
@@ -732,6 +736,15 @@ class _BulkPaths:
     rtt: FloatArray  # inf: a hop unmeasured
     bw: FloatArray  # 0: a hop without a rate
     pmtu: FloatArray
+
+    def row(self, s: int) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Row ``s`` of hops, RTT, rate and PMTU as Python lists."""
+        return (
+            self.hops[s].tolist(),
+            self.rtt[s].tolist(),
+            self.bw[s].tolist(),
+            self.pmtu[s].tolist(),
+        )
 
     @classmethod
     def of(cls, next_hop: IntArray, m: Matrices) -> _BulkPaths:
@@ -764,17 +777,20 @@ def _sticky_tuning(
     paths: _BulkPaths,
     s: int,
     d: int,
+    row: tuple[list[float], list[float], list[float], list[float]] | None = None,
 ) -> TcpTuning | None:
     """``bulk_tuning``, unless the path's RTT and rate are still close to the values its
     last settings came from (same hop count and PMTU): then those settings (no new route
-    set for noise)."""
-    hops = paths.hops[s, d]
-    if not np.isfinite(hops) or hops < 1:
+    set for noise). ``row``: row ``s`` of the paths' hops, RTT, rate and PMTU as lists
+    (:meth:`_BulkPaths.row`; a numpy scalar read per pair cost seconds at 1000 nodes)."""
+    if row is None:
+        row = paths.row(s)
+    hops, r, b, pm = row[0][d], row[1][d], row[2][d], row[3][d]
+    if not math.isfinite(hops) or hops < 1:
         return None
-    r, b = float(paths.rtt[s, d]), float(paths.bw[s, d])
-    rtt = r if np.isfinite(r) else None
+    rtt = r if math.isfinite(r) else None
     bw = b if b > 0 else None
-    pmtu = int(paths.pmtu[s, d])
+    pmtu = int(pm)
     old = tuned.get(key)
     if (
         old is not None
@@ -826,6 +842,17 @@ def _tuning(
         bw = float(1.25 ** math.floor(math.log(bw, 1.25)))
         bw = bw if bw > 0 else None
     family = socket.AF_INET6 if ":" in dst else socket.AF_INET
+    return _quantised_tuning(rtt, bw, pmtus, family, n_hops)
+
+
+@functools.lru_cache(maxsize=65536)
+def _quantised_tuning(
+    rtt: float | None, bw: float | None, pmtus: tuple[int, ...], family: int, n_hops: int
+) -> TcpTuning:
+    """:func:`tcp_tuning` of quantised path values, remembered: the steps are coarse, so
+    a 1000-node mesh's million bulk routes take a few hundred distinct values (computing
+    each pair's cost 15 s of a recompute there). Every route with the same values shares
+    one dict (a million of them cost ~300 MB): read it, never change it."""
     # A path narrower than the family's minimum MTU (an IPv6 route over a 1000-byte
     # path) cannot be tuned to fit: such a measurement counts as none (the default MTU).
     measured = all(pmtus) and min(pmtus) >= MIN_MTU[family]

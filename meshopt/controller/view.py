@@ -37,10 +37,13 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.bus.messages import (
+    ALIVE_UNKNOWN,
     COLUMNS,
     DELAY_COLUMNS,
     DELAY_UNIT_MS,
+    NONE_U16,
     NONE_U32,
+    RATIO_UNIT,
     Counters,
     PeerReport,
     PeerTable,
@@ -214,13 +217,14 @@ class _PeerArrays:
     sent: FloatArray  # probes sent to the peer so far
     bandwidth: FloatArray
     pmtu: FloatArray
-    # The rows they were built from, and their change count then. Held, not named by
-    # ``id``: a snapshot frees the last rows, and a new table at the freed address with the
-    # same count read as unchanged (stale RTTs in the matrices; a CI flake found it).
-    source: _Rows
-    version: int
+    source: tuple[int, int]  # (id, version) of the rows they were built from
     dst: np.ndarray | None = None  # node index per peer (-1: none), for ``layout``
     layout: int = -1
+    table: PeerTable | None = None  # the snapshot's table they were built from, if so
+    # The rows they were built from, held: ``source`` names them by id(), and a new
+    # rows dict built after a snapshot can get the freed one's id and the same version
+    # count, so an id alone let stale arrays pass for new ones.
+    rows: _Rows | None = None
 
     @classmethod
     def of(cls, rows: _Rows) -> _PeerArrays:
@@ -242,10 +246,74 @@ class _PeerArrays:
             sent=np.array([p.probes_sent for p in reps], dtype=np.float64),
             bandwidth=col("bandwidth_mbit"),
             pmtu=col("pmtu"),
-            source=rows,
-            version=rows.version,
+            source=(id(rows), rows.version),
+            rows=rows,
         )
 
+    @classmethod
+    def of_table(cls, table: PeerTable) -> _PeerArrays:
+        """The same arrays straight from a snapshot's columns, with what
+        :func:`usable_peer` clears cleared (NaN): no PeerReport per peer. At 1000 peers
+        the rows cost ~5 ms a node, and a recompute after start-up read every node's."""
+        n = len(table)
+
+        def scaled(name: str, unit: float, none: int, top: float) -> FloatArray:
+            raw = _column(table, name)
+            if raw is None:
+                return np.full(n, np.nan)
+            # round(v * unit, nd) as the rows have it is the double nearest v / (1 / unit)
+            # (counts of 0.01 ms or 1e-4): one correctly rounded division gives it exactly.
+            v = raw.astype(np.float64) / round(1.0 / unit)
+            return np.where((raw == none) | (v < 0.0) | (v > top), np.nan, v)
+
+        def plain(name: str) -> FloatArray:
+            raw = _column(table, name)
+            return np.zeros(n) if raw is None else raw.astype(np.float64)
+
+        alive_raw = _column(table, "alive")
+        if alive_raw is None:
+            alive = np.full(n, -1, dtype=np.int8)
+        else:
+            alive = np.where(alive_raw == ALIVE_UNKNOWN, -1, alive_raw == 1).astype(np.int8)
+        bw_raw = _column(table, "bandwidth")
+        if bw_raw is None:
+            bw = np.full(n, np.nan)
+        else:
+            bw = bw_raw.astype(np.float64)
+            with np.errstate(invalid="ignore"):
+                bad = ~np.isfinite(bw) | (bw < 0.0) | (bw > MAX_BANDWIDTH_MBIT)
+            bw = np.where(bad, np.nan, bw)
+        pm_raw = _column(table, "pmtu")
+        if pm_raw is None:
+            pmtu = np.full(n, np.nan)
+        else:
+            pmtu = pm_raw.astype(np.float64)
+            pmtu = np.where(pmtu < MIN_PMTU, np.nan, pmtu)
+        keys = _KEY_LISTS.get(table.keys)
+        if keys is None:
+            if len(_KEY_LISTS) >= _MAX_KEY_LISTS:
+                _KEY_LISTS.clear()
+            keys = _KEY_LISTS[table.keys] = table.key_list()
+        return cls(
+            keys=list(keys),
+            alive=alive,
+            rtt=scaled("rtt", DELAY_UNIT_MS, NONE_U32, MAX_DELAY_MS),
+            jitter=scaled("jitter", DELAY_UNIT_MS, NONE_U32, MAX_DELAY_MS),
+            loss=scaled("loss", RATIO_UNIT, NONE_U16, 1.0),
+            noise=scaled("noise", DELAY_UNIT_MS, NONE_U32, MAX_DELAY_MS),
+            samples=plain("samples"),
+            sent=plain("probes_sent"),
+            bandwidth=bw,
+            pmtu=pmtu,
+            source=(id(table), -1),
+            table=table,
+        )
+
+
+# A node's peers' keys in base64, by the table's packed keys: every snapshot of a node
+# repeats them (999 base64 encodings a snapshot at 1000 nodes). Bounded.
+_KEY_LISTS: dict[bytes, list[str]] = {}
+_MAX_KEY_LISTS = 8192
 
 # Deltas taken before a node's rows are next read are kept as layers; past this many the
 # rows are built at once (bounds memory when nothing reads them, e.g. before routing).
@@ -295,15 +363,41 @@ class NodeInfo:
         self._rows = rows if isinstance(rows, _Rows) else _Rows(rows)
         self._layers = []
 
+    def _table_only(self) -> PeerTable | None:
+        """The snapshot's table when it is all there is (no rows built, no table-less
+        peers, no change report on top), else None."""
+        layers = self._layers
+        if (
+            self._rows is None
+            and len(layers) == 2
+            and isinstance(layers[0], dict)
+            and not layers[0]
+            and isinstance(layers[1], PeerTable)
+        ):
+            return layers[1]
+        return None
+
     def arrays(self) -> _PeerArrays:
-        """The peer rows as arrays, built once per change of the rows."""
+        """The peer rows as arrays, built once per change of the rows (straight from
+        the columns while the node's picture is one snapshot's table)."""
+        table = self._table_only()
+        if table is not None:
+            a = self._arrays
+            if a is None or a.table is not table:
+                a = self._arrays = _PeerArrays.of_table(table)
+            return a
         self.peers  # noqa: B018 - apply pending layers
         rows = self._rows
         assert rows is not None
         a = self._arrays
-        if a is None or a.source is not rows or a.version != rows.version:
+        if a is None or a.rows is not rows or a.source != (id(rows), rows.version):
             a = self._arrays = _PeerArrays.of(rows)
         return a
+
+    def peer_keys(self) -> list[str]:
+        """The peers' public keys, in the order of :attr:`peers` (without building the
+        rows while the picture is one snapshot's table)."""
+        return self.arrays().keys
 
     def snapshot(self, rows: dict[str, PeerReport], table: PeerTable | None) -> None:
         """Replace every peer report (a full snapshot): rows, then the table over them."""
@@ -542,12 +636,13 @@ class MeshView:
 
     def measured(self, min_samples: int = 1) -> bool:
         """Every online node reports ``min_samples`` RTT samples for each of its peers."""
-        return all(
-            info.peers
-            and all(p.rtt_ms is not None and p.samples >= min_samples for p in info.peers.values())
-            for info in self.nodes.values()
-            if info.online
-        )
+        for info in self.nodes.values():
+            if not info.online:
+                continue
+            a = info.arrays()
+            if not a.keys or bool(np.isnan(a.rtt).any()) or bool((a.samples < min_samples).any()):
+                return False
+        return True
 
     def ready(self, now: float, warmup_s: float, min_samples: int = 8) -> bool:
         """Enough is known to route: all links measured, or ``warmup_s`` since the first report.
