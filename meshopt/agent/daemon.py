@@ -36,7 +36,13 @@ from meshopt.agent.config import AgentConfig, bulk_classifier, probe_budget_conf
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.netstate import NetState, Sysctls
 from meshopt.agent.peers import PeerTracker
-from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
+from meshopt.agent.plan import (
+    NodePlan,
+    allowed_ips_updates,
+    own_prefixes_from,
+    plan_node,
+    prefix_owner,
+)
 from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
 from meshopt.agent.telemetry import Cadence, Capacity, peer_report, signed_telemetry
@@ -48,7 +54,7 @@ from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
-from meshopt.probe.budget import BudgetPlan, ProbeBudget, TrafficMeter, route_hops
+from meshopt.probe.budget import BudgetPlan, ProbeBudget, RouteUse, TrafficMeter, route_use
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import PeerSources, RateLimit, Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
@@ -166,6 +172,7 @@ class Agent:
         self.budget = ProbeBudget()
         self.traffic = TrafficMeter()
         self.probe_plan: BudgetPlan | None = None
+        self._route_use: tuple[RouteSet, tuple[str, ...], RouteUse] | None = None
         # Probe responders answer current peers only, within a budget (issue 12).
         self.responder = Responder(
             limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
@@ -520,13 +527,29 @@ class Agent:
         self.budget.config = budget
         rs = self.route_set
         peers = self.tracker.peers
-        # Before the first route set every link counts: the controller routes once it
-        # has a few samples of each, and idle probing would make it wait 8 x 2 s.
-        hops = route_hops(rs.routes) if rs is not None else set(peers)
         now = self.clock()
         traffic = self.traffic.update({k: (p.rx_bytes, p.tx_bytes) for k, p in peers.items()}, now)
-        self.probe_plan = self.budget.plan(peers, hops, traffic, now)
+        if rs is None:
+            # Before the first route set every link counts: the controller routes once
+            # it has a few samples of each, and idle probing would make it wait 8 x 2 s.
+            self.probe_plan = self.budget.plan(peers, peers, traffic, now)
+        else:
+            use = self._use_of(rs)
+            self.probe_plan = self.budget.plan(peers, use.relays, traffic, now, use.backups)
         self.prober.set_rates(self.probe_plan.rates)
+
+    def _use_of(self, rs: RouteSet) -> RouteUse:
+        """The route set's relays and backups (meshopt.probe.budget.route_use), worked
+        out again only when the route set or the peers change."""
+        keys = tuple(self.tracker.peers)
+        cached = self._route_use
+        if cached is not None and cached[0] is rs and cached[1] == keys:
+            return cached[2]
+        base = self.state.baseline
+        owner = prefix_owner({k: base.get(k, p.allowed_ips) for k, p in self.tracker.peers.items()})
+        use = route_use(rs.routes, owner)
+        self._route_use = (rs, keys, use)
+        return use
 
     def _on_liveness(self, key: str, alive: bool) -> None:
         last = self.prober.stats(key)
