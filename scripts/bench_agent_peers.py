@@ -390,17 +390,20 @@ def one_run(args: argparse.Namespace, mode: str, index: int) -> dict[str, Any]:
             raise RuntimeError(f"agent exited: {(tmp / 'agent.log').read_text()[-800:]}")
         c0 = json.loads(counters.read_text())
         cpu0, wg0, t0 = cpu_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        spy = None
         if args.py_spy:  # where the agent's CPU goes (py-spy samples from outside)
             out = f"{args.py_spy_out}.{mode}.{index}.txt"
-            procs.append(
-                subprocess.Popen(
-                    [args.py_spy, "record", "-p", str(agent.pid), "-d", str(int(args.window)),
-                     "-r", "50", "-f", "raw", "-o", out],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "-p", str(agent.pid), "-d", str(int(args.window)),
+                 "-r", "50", "-f", "raw", "-o", out],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
+            procs.append(spy)
         time.sleep(args.window)
         cpu1, wg1, t1 = cpu_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        if spy is not None:  # let it write its profile (stopped early, it writes none)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(20)
         c1 = json.loads(counters.read_text())
         rss, hwm = status_kb(agent.pid, "VmRSS") / 1024, status_kb(agent.pid, "VmHWM") / 1024
         span = t1 - t0

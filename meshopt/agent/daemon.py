@@ -172,7 +172,7 @@ class Agent:
         self.budget = ProbeBudget()
         self.traffic = TrafficMeter()
         self.probe_plan: BudgetPlan | None = None
-        self._route_use: tuple[RouteSet, tuple[str, ...], RouteUse] | None = None
+        self._route_use: tuple[RouteSet, frozenset[str], RouteUse] | None = None
         # Probe responders answer current peers only, within a budget (issue 12).
         self.responder = Responder(
             limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
@@ -465,8 +465,16 @@ class Agent:
         # the netlink dumps and the re-plan while it stays the same (a full check every
         # 30 s still catches an address removed behind our back): 15 peers' worth of
         # this every second was most of an idle agent's CPU.
+        # In any order: wireguard-go lists its peers (and a peer's AllowedIPs) in Go's
+        # map order, different at every read, which made every poll look like a change
+        # (netlink dumps, new probe targets and responder sources, a re-plan: half of a
+        # 100-peer agent's CPU).
         shape = tuple(
-            (name, st.public_key, tuple((p.public_key, p.allowed_ips) for p in st.peers))
+            (
+                name,
+                st.public_key,
+                frozenset((p.public_key, frozenset(p.allowed_ips)) for p in st.peers),
+            )
             for name, st in sorted(readings.items())
         )
         now = self.clock()
@@ -541,7 +549,7 @@ class Agent:
     def _use_of(self, rs: RouteSet) -> RouteUse:
         """The route set's relays and backups (meshopt.probe.budget.route_use), worked
         out again only when the route set or the peers change."""
-        keys = tuple(self.tracker.peers)
+        keys = frozenset(self.tracker.peers)
         cached = self._route_use
         if cached is not None and cached[0] is rs and cached[1] == keys:
             return cached[2]
