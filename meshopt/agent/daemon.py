@@ -199,6 +199,7 @@ class Agent:
         self.failed_over: set[tuple[str, str]] = set()
         self._shape: tuple[object, ...] = ()
         self._shape_checked = -1e18
+        self._unbound = False  # a probe address the responders could not bind yet
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self.bus = BusClient(
@@ -478,7 +479,7 @@ class Agent:
             for name, st in sorted(readings.items())
         )
         now = self.clock()
-        if shape == self._shape and now - self._shape_checked < 30.0:
+        if shape == self._shape and now - self._shape_checked < 30.0 and not self._unbound:
             return
         self._shape, self._shape_checked = shape, now
         links = await self.net.links()
@@ -494,9 +495,12 @@ class Agent:
         # The responders listen on our probe addresses only and answer current peers only.
         probes = [f"{probe_address(k)}%{n}" for n, k in self.tracker.own_keys.items() if n in links]
         peers = PeerSources.from_peers(self.tracker.peers.values())
+        self._unbound = False
         for r in (self.responder, self.trains) if self.cfg.bandwidth.enabled else (self.responder,):
             r.listen_on(probes)
             r.allowed = peers
+            # An address that could not be bound is tried again at the next poll.
+            self._unbound |= len(r.addresses) < len(set(probes))
         self.addresses = own_prefixes_from(own)
         self.prober.set_targets(
             Target(name=k, address=p.probe_address, scope=p.ifname)

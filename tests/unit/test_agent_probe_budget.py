@@ -75,6 +75,19 @@ class WireGuard:
         return InterfaceState(public_key=OWN, peers=tuple(peers))
 
 
+class Listeners:
+    """The responders' sockets: binds what it is given, but ``refuse`` addresses."""
+
+    def __init__(self) -> None:
+        self.refuse = 0
+        self.addresses: list[str] = []
+
+    def listen_on(self, hosts: list[str]) -> list[tuple[str, Exception]]:
+        hosts = list(hosts)
+        self.addresses = hosts[self.refuse :]
+        return [(h, OSError("not yet")) for h in hosts[: self.refuse]]
+
+
 class Sysctls:
     def enable_interface(self, ifname: str, ipv6: object) -> None:
         pass
@@ -90,7 +103,7 @@ def agent_with_fakes(tmp_path: Path) -> tuple[Agent, Net, WireGuard, list[float]
     agent.wg = wg  # type: ignore[assignment]
     agent.sysctls = Sysctls()  # type: ignore[assignment]
     for responder in (agent.responder, agent.trains):  # no socket: nothing to bind
-        responder.listen_on = lambda hosts: None  # type: ignore[method-assign]
+        responder._listeners = Listeners()  # type: ignore[assignment]
     now = [100.0]
     agent.clock = lambda: now[0]
     return agent, net, wg, now
@@ -115,6 +128,20 @@ def test_a_reading_that_only_changed_order_takes_the_cheap_path(tmp_path: Path) 
         now[0] += 30.0  # the periodic full check still comes
         await agent._poll_peers()
         assert net.dumps == 2
+        # A probe address the responder could not bind is tried again at the next poll.
+        listeners = agent.responder._listeners
+        assert isinstance(listeners, Listeners)
+        listeners.refuse = 1
+        now[0] += 30.0
+        await agent._poll_peers()
+        assert net.dumps == 3
+        listeners.refuse = 0
+        now[0] += 2.0
+        await agent._poll_peers()
+        assert net.dumps == 4 and len(agent.responder.addresses) == 1
+        now[0] += 2.0
+        await agent._poll_peers()
+        assert net.dumps == 4  # all bound: the cheap path again
 
     asyncio.run(main())
 
