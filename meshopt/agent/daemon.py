@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import sys
 import time
@@ -173,6 +174,9 @@ class Agent:
         self.traffic = TrafficMeter()
         self.probe_plan: BudgetPlan | None = None
         self._route_use: tuple[RouteSet, frozenset[str], RouteUse] | None = None
+        # The installed routes' next hops and backups, and when they last moved.
+        self._route_hops: frozenset[tuple[str, str, str, str | None]] | None = None
+        self._routes_moved_at = -math.inf
         # Probe responders answer current peers only, within a budget (issue 12).
         self.responder = Responder(
             limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
@@ -547,7 +551,12 @@ class Agent:
             self.probe_plan = self.budget.plan(peers, peers, traffic, now)
         else:
             use = self._use_of(rs)
-            self.probe_plan = self.budget.plan(peers, use.relays, traffic, now, use.backups)
+            # While the controller is still choosing (a route set that moved a next hop
+            # or a backup, or the first one, within in_use_hold_s) every link is in use:
+            # its candidates are measured at the full rate, not only the routes it took.
+            settling = now - self._routes_moved_at <= self.budget.config.in_use_hold_s
+            active = peers if settling else use.relays
+            self.probe_plan = self.budget.plan(peers, active, traffic, now, use.backups)
         self.prober.set_rates(self.probe_plan.rates)
 
     def _use_of(self, rs: RouteSet) -> RouteUse:
@@ -561,6 +570,10 @@ class Agent:
         owner = prefix_owner({k: base.get(k, p.allowed_ips) for k, p in self.tracker.peers.items()})
         use = route_use(rs.routes, owner)
         self._route_use = (rs, keys, use)
+        hops = frozenset((r.dst, r.table, r.via, r.backup) for r in rs.routes)
+        if hops != self._route_hops:
+            self._route_hops = hops
+            self._routes_moved_at = self.clock()
         return use
 
     def _on_liveness(self, key: str, alive: bool) -> None:

@@ -13,6 +13,8 @@ import random
 import time
 from pathlib import Path
 
+import msgspec
+
 from meshopt.agent.config import load_config
 from meshopt.agent.daemon import Agent
 from meshopt.agent.probeaddr import probe_prefix
@@ -170,7 +172,12 @@ def test_relays_traffic_and_their_backups_are_in_use_direct_routes_idle(tmp_path
         # No route set yet: every link in use (the controller needs samples of each).
         assert set(classes(agent).values()) == {IN_USE}
         agent.core.route_set = rs
-        now[0] += 31.0  # past the hold of the start
+        now[0] += 2.0
+        await agent._poll_peers()
+        # A route set that moved next hops (here: the first): every link stays in use
+        # for the hold time, so the controller's candidates are measured fast.
+        assert set(classes(agent).values()) == {IN_USE}
+        now[0] += 31.0
         await agent._poll_peers()
         # 3 relays; 2 and 4 back up its routes. 0, 1 and 5 are direct without traffic.
         assert classes(agent) == {
@@ -187,5 +194,16 @@ def test_relays_traffic_and_their_backups_are_in_use_direct_routes_idle(tmp_path
         got = classes(agent)
         assert got[5] == IN_USE and got[0] == IN_USE  # and 0, its route's backup
         assert got[1] == IDLE  # 0 is only a backup: its own route's backup stays idle
+        # The same routes again (a new version, nothing moved): no settling.
+        agent.core.route_set = msgspec.structs.replace(rs, version=2)
+        now[0] += 2.0
+        await agent._poll_peers()
+        assert classes(agent)[1] == IDLE
+        # A backup moved: everything in use again for the hold time.
+        moved = [*routes[:4], Route(dst=overlay(5), via=KEYS[5], backup=KEYS[1])]
+        agent.core.route_set = msgspec.structs.replace(rs, version=3, routes=moved)
+        now[0] += 2.0
+        await agent._poll_peers()
+        assert set(classes(agent).values()) == {IN_USE}
 
     asyncio.run(main())
