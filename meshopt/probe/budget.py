@@ -14,7 +14,9 @@ time; the agent feeds it, :class:`meshopt.probe.prober.Prober` applies the rates
   prober's own ``interval_s`` with its ``dead_after_s``: today's rate and detection.
   A direct route to a peer that carries no traffic does not make it in use: nothing
   is lost while it is slow to be found dead, and traffic that starts promotes it (and
-  its backups) at the next poll.
+  its backups) at the next poll. The agent passes every peer as ``active`` before its
+  first route set and for ``in_use_hold_s`` after one that moved a next hop or backup
+  (the controller's candidates measured fast while it chooses).
 * ``idle``: everyone else, probed every ``idle_interval_s``, stretched so that the sum
   over all peers stays within ``max_probes_per_s`` (never beyond
   ``idle_max_interval_s``). Its dead time scales with its interval (the fast class's
