@@ -554,9 +554,11 @@ class Agent:
             # While the controller is still choosing (a route set that moved a next hop
             # or a backup, or the first one, within in_use_hold_s) every link is in use:
             # its candidates are measured at the full rate, not only the routes it took.
+            # (Not held: settling that ended leaves only what is in use on its own.)
             settling = now - self._routes_moved_at <= self.budget.config.in_use_hold_s
-            active = peers if settling else use.relays
-            self.probe_plan = self.budget.plan(peers, active, traffic, now, use.backups)
+            self.probe_plan = self.budget.plan(
+                peers, use.relays, traffic, now, use.backups, transient=peers if settling else ()
+            )
         self.prober.set_rates(self.probe_plan.rates)
 
     def _use_of(self, rs: RouteSet) -> RouteUse:

@@ -225,6 +225,8 @@ class ProbeBudget:
         traffic: Mapping[str, float],
         now: float,
         backups: Mapping[str, Collection[str]] | None = None,
+        *,
+        transient: Collection[str] = (),
     ) -> dict[str, str]:
         """Each peer's class at ``now``.
 
@@ -232,7 +234,8 @@ class ProbeBudget:
         route set, every peer); ``traffic``: bytes/s (the larger direction), above the
         threshold also in use; either is held for ``in_use_hold_s``. ``backups``: next
         hop -> the backups of its routes, in use while that next hop is (no hold of
-        their own: they follow it).
+        their own: they follow it). ``transient``: in use now, without a hold (the
+        agent's peers while its routes settle: the settling has its own clock).
         """
         cfg = self.config
         limit = cfg.traffic_bytes_per_s
@@ -256,6 +259,9 @@ class ProbeBudget:
             }
             for b in covered:
                 classes[b] = IN_USE
+        for name in transient:
+            if name in classes:
+                classes[name] = IN_USE
         for name in [n for n in last_used if n not in classes]:
             del last_used[name]  # peers gone: forgotten
         return classes
@@ -277,5 +283,7 @@ class ProbeBudget:
         traffic: Mapping[str, float],
         now: float,
         backups: Mapping[str, Collection[str]] | None = None,
+        *,
+        transient: Collection[str] = (),
     ) -> BudgetPlan:
-        return self.rates(self.classify(peers, active, traffic, now, backups))
+        return self.rates(self.classify(peers, active, traffic, now, backups, transient=transient))

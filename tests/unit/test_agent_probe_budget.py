@@ -177,7 +177,7 @@ def test_relays_traffic_and_their_backups_are_in_use_direct_routes_idle(tmp_path
         # A route set that moved next hops (here: the first): every link stays in use
         # for the hold time, so the controller's candidates are measured fast.
         assert set(classes(agent).values()) == {IN_USE}
-        now[0] += 31.0
+        now[0] += 31.0  # settling ends 30 s after the route set, and leaves no hold
         await agent._poll_peers()
         # 3 relays; 2 and 4 back up its routes. 0, 1 and 5 are direct without traffic.
         assert classes(agent) == {

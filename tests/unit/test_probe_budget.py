@@ -496,3 +496,13 @@ def test_agent_settings_build_the_budget_and_bad_ones_name_the_key() -> None:
     with pytest.raises(InputError) as info:
         parse_config({"agent": {"mesh": "m", "node": "n1"}, "probe": {"max_probes_per_s": 0}})
     assert "probe.max_probes_per_s must be a positive number" in str(info.value)
+
+
+def test_transient_peers_are_in_use_now_and_not_held() -> None:
+    budget = ProbeBudget(BudgetConfig(in_use_hold_s=30.0))
+    assert budget.classify(["a", "b"], set(), {}, 0.0, transient=["a", "b"]) == {
+        "a": IN_USE,
+        "b": IN_USE,
+    }
+    assert budget.classify(["a", "b"], set(), {}, 1.0) == {"a": IDLE, "b": IDLE}
+    assert budget.last_used == {}
