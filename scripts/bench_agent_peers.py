@@ -27,10 +27,13 @@ Route sets (``--mode``):
 
 * ``full``: what the controller sends in a full mesh: a route to every peer's address,
   via the peer itself (one in ten relayed through another peer, the direct tunnel as
-  backup), every route with a backup. Every peer is then a next hop or backup, so
-  the probe budget keeps every link in use (3 probes/s each).
-* ``partial``: routes to a tenth of the peers only (the case ``bench_probe_budget.py``
-  models: 10 % of the links in use, the rest idle).
+  backup), every route with a backup. The probe budget keeps the ten relays and the
+  backups of their routes in use (20 peers, 3 probes/s each) and the rest idle: a
+  direct route without traffic does not make a link in use (docs/probe-budget.md).
+  Before that rule every peer here was in use.
+* ``partial``: routes to a tenth of the peers only, all direct: no link in use (no
+  traffic). Before the rule those ten were in use (the case ``bench_probe_budget.py``
+  models).
 
 The agent's CPU is utime + stime from ``/proc/<pid>/stat`` over the window (all its
 threads), as a share of one core; RSS is ``VmRSS`` at the end (``VmHWM`` the peak).
@@ -79,7 +82,7 @@ from meshopt.bus.messages import (
 from meshopt.bus.signing import generate_signing_key, save_private_key, sign_route_set
 from meshopt.bus.topics import Topics
 from meshopt.lab.agents import dump_toml
-from meshopt.probe.budget import BudgetConfig, ProbeBudget
+from meshopt.probe.budget import BudgetConfig, ProbeBudget, route_use
 from meshopt.probe.packet import NONCE_BYTES, Kind, ProbePacket, encode, probe_bytes_per_s
 from meshopt.probe.prober import ProbeConfig
 from meshopt.probe.responder import Responder
@@ -123,10 +126,12 @@ def route_set(keys: Sequence[str], mode: str, version: int) -> RouteSet:
 
 
 def peer_intervals(n: int, mode: str) -> list[float]:
-    """The interval the agent probes each peer at (its class), which the peer mirrors."""
+    """The interval the agent probes each peer at (its class), which the peer mirrors:
+    the budget's rule on the same route set, no traffic (the tunnels carry none)."""
     names = [str(i) for i in range(n)]
-    hops = set(names) if mode == "full" else set(names[: max(2, n // 10)])
-    plan = ProbeBudget(BudgetConfig()).plan(names, hops, {}, 0.0)
+    owners = {overlay(i): name for i, name in enumerate(names)}
+    use = route_use(route_set(names, mode, 1).routes, owners.get)
+    plan = ProbeBudget(BudgetConfig()).plan(names, use.relays, {}, 0.0, use.backups)
     return [plan.rates[x].interval_s for x in names]
 
 
@@ -385,17 +390,20 @@ def one_run(args: argparse.Namespace, mode: str, index: int) -> dict[str, Any]:
             raise RuntimeError(f"agent exited: {(tmp / 'agent.log').read_text()[-800:]}")
         c0 = json.loads(counters.read_text())
         cpu0, wg0, t0 = cpu_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        spy = None
         if args.py_spy:  # where the agent's CPU goes (py-spy samples from outside)
             out = f"{args.py_spy_out}.{mode}.{index}.txt"
-            procs.append(
-                subprocess.Popen(
-                    [args.py_spy, "record", "-p", str(agent.pid), "-d", str(int(args.window)),
-                     "-r", "50", "-f", "raw", "-o", out],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                )
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "-p", str(agent.pid), "-d", str(int(args.window)),
+                 "-r", "50", "-f", "raw", "-o", out],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
+            procs.append(spy)
         time.sleep(args.window)
         cpu1, wg1, t1 = cpu_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        if spy is not None:  # let it write its profile (stopped early, it writes none)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                spy.wait(20)
         c1 = json.loads(counters.read_text())
         rss, hwm = status_kb(agent.pid, "VmRSS") / 1024, status_kb(agent.pid, "VmHWM") / 1024
         span = t1 - t0

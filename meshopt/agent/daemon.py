@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import sys
 import time
@@ -36,7 +37,13 @@ from meshopt.agent.config import AgentConfig, bulk_classifier, probe_budget_conf
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.netstate import NetState, Sysctls
 from meshopt.agent.peers import PeerTracker
-from meshopt.agent.plan import NodePlan, allowed_ips_updates, own_prefixes_from, plan_node
+from meshopt.agent.plan import (
+    NodePlan,
+    allowed_ips_updates,
+    own_prefixes_from,
+    plan_node,
+    prefix_owner,
+)
 from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
 from meshopt.agent.telemetry import Cadence, Capacity, peer_report, signed_telemetry
@@ -48,7 +55,7 @@ from meshopt.bus.topics import Topics
 from meshopt.errors import MeshoptError
 from meshopt.install.model import bulk_rules, fast_rules
 from meshopt.install.routes import RouteInstaller
-from meshopt.probe.budget import BudgetPlan, ProbeBudget, TrafficMeter, route_hops
+from meshopt.probe.budget import BudgetPlan, ProbeBudget, RouteUse, TrafficMeter, route_use
 from meshopt.probe.prober import ProbeConfig, Prober, Target
 from meshopt.probe.responder import PeerSources, RateLimit, Responder
 from meshopt.probe.train import TrainResponder, estimate_capacity
@@ -166,6 +173,10 @@ class Agent:
         self.budget = ProbeBudget()
         self.traffic = TrafficMeter()
         self.probe_plan: BudgetPlan | None = None
+        self._route_use: tuple[RouteSet, frozenset[str], RouteUse] | None = None
+        # The installed routes' next hops and backups, and when they last moved.
+        self._route_hops: frozenset[tuple[str, str, str, str | None]] | None = None
+        self._routes_moved_at = -math.inf
         # Probe responders answer current peers only, within a budget (issue 12).
         self.responder = Responder(
             limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
@@ -192,6 +203,7 @@ class Agent:
         self.failed_over: set[tuple[str, str]] = set()
         self._shape: tuple[object, ...] = ()
         self._shape_checked = -1e18
+        self._unbound = False  # a probe address the responders could not bind yet
         self._wake = asyncio.Event()
         self._ready = asyncio.Event()
         self.bus = BusClient(
@@ -458,12 +470,20 @@ class Agent:
         # the netlink dumps and the re-plan while it stays the same (a full check every
         # 30 s still catches an address removed behind our back): 15 peers' worth of
         # this every second was most of an idle agent's CPU.
+        # In any order: wireguard-go lists its peers (and a peer's AllowedIPs) in Go's
+        # map order, different at every read, which made every poll look like a change
+        # (netlink dumps, new probe targets and responder sources, a re-plan: half of a
+        # 100-peer agent's CPU).
         shape = tuple(
-            (name, st.public_key, tuple((p.public_key, p.allowed_ips) for p in st.peers))
+            (
+                name,
+                st.public_key,
+                frozenset((p.public_key, frozenset(p.allowed_ips)) for p in st.peers),
+            )
             for name, st in sorted(readings.items())
         )
         now = self.clock()
-        if shape == self._shape and now - self._shape_checked < 30.0:
+        if shape == self._shape and now - self._shape_checked < 30.0 and not self._unbound:
             return
         self._shape, self._shape_checked = shape, now
         links = await self.net.links()
@@ -479,9 +499,12 @@ class Agent:
         # The responders listen on our probe addresses only and answer current peers only.
         probes = [f"{probe_address(k)}%{n}" for n, k in self.tracker.own_keys.items() if n in links]
         peers = PeerSources.from_peers(self.tracker.peers.values())
+        self._unbound = False
         for r in (self.responder, self.trains) if self.cfg.bandwidth.enabled else (self.responder,):
             r.listen_on(probes)
             r.allowed = peers
+            # An address that could not be bound is tried again at the next poll.
+            self._unbound |= len(r.addresses) < len(set(probes))
         self.addresses = own_prefixes_from(own)
         self.prober.set_targets(
             Target(name=k, address=p.probe_address, scope=p.ifname)
@@ -520,13 +543,40 @@ class Agent:
         self.budget.config = budget
         rs = self.route_set
         peers = self.tracker.peers
-        # Before the first route set every link counts: the controller routes once it
-        # has a few samples of each, and idle probing would make it wait 8 x 2 s.
-        hops = route_hops(rs.routes) if rs is not None else set(peers)
         now = self.clock()
         traffic = self.traffic.update({k: (p.rx_bytes, p.tx_bytes) for k, p in peers.items()}, now)
-        self.probe_plan = self.budget.plan(peers, hops, traffic, now)
+        if rs is None:
+            # Before the first route set every link counts: the controller routes once
+            # it has a few samples of each, and idle probing would make it wait 8 x 2 s.
+            self.probe_plan = self.budget.plan(peers, peers, traffic, now)
+        else:
+            use = self._use_of(rs)
+            # While the controller is still choosing (a route set that moved a next hop
+            # or a backup, or the first one, within in_use_hold_s) every link is in use:
+            # its candidates are measured at the full rate, not only the routes it took.
+            # (Not held: settling that ended leaves only what is in use on its own.)
+            settling = now - self._routes_moved_at <= self.budget.config.in_use_hold_s
+            self.probe_plan = self.budget.plan(
+                peers, use.relays, traffic, now, use.backups, transient=peers if settling else ()
+            )
         self.prober.set_rates(self.probe_plan.rates)
+
+    def _use_of(self, rs: RouteSet) -> RouteUse:
+        """The route set's relays and backups (meshopt.probe.budget.route_use), worked
+        out again only when the route set or the peers change."""
+        keys = frozenset(self.tracker.peers)
+        cached = self._route_use
+        if cached is not None and cached[0] is rs and cached[1] == keys:
+            return cached[2]
+        base = self.state.baseline
+        owner = prefix_owner({k: base.get(k, p.allowed_ips) for k, p in self.tracker.peers.items()})
+        use = route_use(rs.routes, owner)
+        self._route_use = (rs, keys, use)
+        hops = frozenset((r.dst, r.table, r.via, r.backup) for r in rs.routes)
+        if hops != self._route_hops:
+            self._route_hops = hops
+            self._routes_moved_at = self.clock()
+        return use
 
     def _on_liveness(self, key: str, alive: bool) -> None:
         last = self.prober.stats(key)

@@ -224,6 +224,40 @@ def allowed_ips_updates(
     return out
 
 
+def prefix_owner(baseline: Mapping[str, Sequence[str]]) -> Callable[[str], str | None]:
+    """Whose a destination prefix is: the peer whose AllowedIPs from before us (its
+    ``baseline``) hold it most specifically. Default routes (/0) and link-local prefixes
+    (probe addresses) name nobody; nor does a prefix two peers hold alike, or one
+    outside every baseline (None). The probe budget tells a direct route (to the next
+    hop's own prefix) from a relayed one with it."""
+    held: dict[tuple[int, int, int], str | None] = {}
+    for key, prefixes in baseline.items():
+        for text in prefixes:
+            net = _net(text)
+            if net is None or net.prefixlen == 0 or net.is_link_local:
+                continue
+            at = (net.version, net.prefixlen, int(net.network_address))
+            held[at] = key if held.get(at, key) == key else None
+    lengths = sorted({(v, n) for v, n, _ in held}, key=lambda x: -x[1])
+
+    def owner(dst: str) -> str | None:
+        net = _net(dst)
+        if net is None:
+            return None
+        bits = net.max_prefixlen
+        address = int(net.network_address)
+        for version, length in lengths:
+            if version != net.version or length > net.prefixlen:
+                continue
+            mask = ((1 << length) - 1) << (bits - length)
+            at = (version, length, address & mask)
+            if at in held:
+                return held[at]
+        return None
+
+    return owner
+
+
 def own_prefixes_from(addresses: Iterable[str]) -> list[str]:
     """Host prefixes of our overlay addresses (link-local probe addresses left out)."""
     out = []

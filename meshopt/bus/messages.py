@@ -132,8 +132,8 @@ class PeerReport(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     bandwidth_confidence: float | None = None
     bandwidth_age_s: float | None = None
     pmtu: int | None = None
-    # How the agent probes this peer now (meshopt.probe.budget): "in_use" (a next hop or
-    # backup of an installed route, or traffic: probed fast) or "idle" (probed slowly),
+    # How the agent probes this peer now (meshopt.probe.budget): "in_use" (a relay,
+    # traffic, or the backup of a next hop that is either: probed fast) or "idle",
     # the time between probes and the failure-detection time that class gets.
     probe_class: Literal["in_use", "idle"] | None = None
     probe_interval_s: float | None = None

@@ -86,7 +86,8 @@ class AgentCollector(Collector):
         )
         hs = gauge("meshopt_peer_handshake_age_seconds", "Time since the last WireGuard handshake.")
         in_use = gauge(
-            "meshopt_peer_probe_in_use", "1: probed fast (a next hop, or traffic), 0: idle."
+            "meshopt_peer_probe_in_use",
+            "1: probed fast (a relay, traffic, or their backup), 0: idle.",
         )
         every = gauge("meshopt_peer_probe_interval_seconds", "Time between probes to the peer.")
         dead_after = gauge(

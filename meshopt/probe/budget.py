@@ -5,12 +5,18 @@ probes/s at 1,000 peers. Only some links need that rate: a dead next hop must be
 within a second because traffic is on it. So each peer gets a class (pure, injected
 time; the agent feeds it, :class:`meshopt.probe.prober.Prober` applies the rates):
 
-* ``in_use``: the next hop or the backup of a route in the installed route set (which
-  also covers relays: a peer that relays anything for us is a next hop), or a peer
-  whose WireGuard byte counters moved faster than ``traffic_bytes_per_s`` in either
-  direction since the last poll (probes alone move them by at most ~700 B/s), and for
-  ``in_use_hold_s`` after it last was one of those (no flapping between rates). Probed at the
+* ``in_use``: a peer that **relays** for us (the next hop of a route to a destination
+  that is not the peer itself), or that **carries traffic** (its WireGuard byte
+  counters moved faster than ``traffic_bytes_per_s`` in either direction since the
+  last poll; probes alone move them by at most ~700 B/s), for ``in_use_hold_s`` after
+  it last did either (no flapping between rates); and the **backup** of any route whose
+  next hop is in use that way (local fail-over must find it alive). Probed at the
   prober's own ``interval_s`` with its ``dead_after_s``: today's rate and detection.
+  A direct route to a peer that carries no traffic does not make it in use: nothing
+  is lost while it is slow to be found dead, and traffic that starts promotes it (and
+  its backups) at the next poll. The agent passes every peer as ``active`` before its
+  first route set and for ``in_use_hold_s`` after one that moved a next hop or backup
+  (the controller's candidates measured fast while it chooses).
 * ``idle``: everyone else, probed every ``idle_interval_s``, stretched so that the sum
   over all peers stays within ``max_probes_per_s`` (never beyond
   ``idle_max_interval_s``). Its dead time scales with its interval (the fast class's
@@ -25,7 +31,7 @@ cap says ``over_budget``. See docs/probe-budget.md for the figures.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,8 +44,10 @@ __all__ = [
     "BudgetPlan",
     "ProbeBudget",
     "Rate",
+    "RouteUse",
     "TrafficMeter",
     "route_hops",
+    "route_use",
 ]
 
 IN_USE = "in_use"
@@ -113,21 +121,49 @@ class BudgetPlan:
         return sum(1 for r in self.rates.values() if r.cls == cls)
 
 
-class _RouteLike(Protocol):
+class _HopLike(Protocol):
     @property
     def via(self) -> str: ...
     @property
     def backup(self) -> str | None: ...
 
 
-def route_hops(routes: Iterable[_RouteLike]) -> set[str]:
-    """Every peer a route set sends through: next hops and backups (relays included)."""
+class _RouteLike(_HopLike, Protocol):
+    @property
+    def dst(self) -> str: ...
+
+
+def route_hops(routes: Iterable[_HopLike]) -> set[str]:
+    """Every peer a route set names: next hops and backups (relays included)."""
     out: set[str] = set()
     for r in routes:
         out.add(r.via)
         if r.backup is not None:
             out.add(r.backup)
     return out
+
+
+@dataclass(frozen=True)
+class RouteUse:
+    """What a route set asks of the budget: which peers relay, and each next hop's
+    backups (the peers local fail-over moves its routes to)."""
+
+    relays: frozenset[str] = frozenset()
+    backups: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+
+def route_use(routes: Iterable[_RouteLike], owner: Callable[[str], str | None]) -> RouteUse:
+    """Relays and backups of ``routes``. ``owner(dst)``: the peer a destination prefix
+    belongs to (None: unknown). A route whose destination is not its next hop's own, or
+    is nobody's we know, relays: unknown counts as in use, never as idle."""
+    relays: set[str] = set()
+    backups: dict[str, set[str]] = {}
+    for r in routes:
+        if owner(r.dst) != r.via:
+            relays.add(r.via)
+        if r.backup is not None and r.backup != r.via:
+            backups.setdefault(r.via, set()).add(r.backup)
+    return RouteUse(frozenset(relays), {k: frozenset(v) for k, v in backups.items()})
 
 
 def idle_interval(config: BudgetConfig, in_use: int, idle: int) -> tuple[float, bool]:
@@ -177,29 +213,57 @@ class TrafficMeter:
 
 @dataclass
 class ProbeBudget:
-    """Classes with hold-down: remembers when each peer was last in use."""
+    """Classes with hold-down: remembers when each peer was last in use on its own."""
 
     config: BudgetConfig = field(default_factory=BudgetConfig)
-    last_used: dict[str, float] = field(default_factory=dict)
+    last_used: dict[str, float] = field(default_factory=dict)  # relayed or carried traffic
 
     def classify(
         self,
         peers: Iterable[str],
-        hops: Collection[str],
+        active: Collection[str],
         traffic: Mapping[str, float],
         now: float,
+        backups: Mapping[str, Collection[str]] | None = None,
+        *,
+        transient: Collection[str] = (),
     ) -> dict[str, str]:
-        """Each peer's class at ``now``. ``traffic``: bytes/s (the larger direction)."""
+        """Each peer's class at ``now``.
+
+        ``active``: peers in use on their own account now (relays; before the first
+        route set, every peer); ``traffic``: bytes/s (the larger direction), above the
+        threshold also in use; either is held for ``in_use_hold_s``. ``backups``: next
+        hop -> the backups of its routes, in use while that next hop is (no hold of
+        their own: they follow it). ``transient``: in use now, without a hold (the
+        agent's peers while its routes settle: the settling has its own clock).
+        """
         cfg = self.config
+        limit = cfg.traffic_bytes_per_s
+        hold = cfg.in_use_hold_s
+        last_used = self.last_used
+        names = peers if isinstance(peers, Collection) else list(peers)
         classes: dict[str, str] = {}
-        for name in peers:
-            if name in hops or traffic.get(name, 0.0) > cfg.traffic_bytes_per_s:
-                self.last_used[name] = now
-            last = self.last_used.get(name)
-            used = last is not None and now - last <= cfg.in_use_hold_s
-            classes[name] = IN_USE if used else IDLE
-        for name in [n for n in self.last_used if n not in classes]:
-            del self.last_used[name]  # peers gone: forgotten
+        for name in names:
+            if name in active or traffic.get(name, 0.0) > limit:
+                last_used[name] = now
+            last = last_used.get(name)
+            classes[name] = IN_USE if last is not None and now - last <= hold else IDLE
+        if backups:
+            # Backups of the next hops in use on their own account, not of backups.
+            covered = {
+                b
+                for hop, alternates in backups.items()
+                if classes.get(hop) == IN_USE
+                for b in alternates
+                if b in classes
+            }
+            for b in covered:
+                classes[b] = IN_USE
+        for name in transient:
+            if name in classes:
+                classes[name] = IN_USE
+        for name in [n for n in last_used if n not in classes]:
+            del last_used[name]  # peers gone: forgotten
         return classes
 
     def rates(self, classes: Mapping[str, str]) -> BudgetPlan:
@@ -215,8 +279,11 @@ class ProbeBudget:
     def plan(
         self,
         peers: Iterable[str],
-        hops: Collection[str],
+        active: Collection[str],
         traffic: Mapping[str, float],
         now: float,
+        backups: Mapping[str, Collection[str]] | None = None,
+        *,
+        transient: Collection[str] = (),
     ) -> BudgetPlan:
-        return self.rates(self.classify(peers, hops, traffic, now))
+        return self.rates(self.classify(peers, active, traffic, now, backups, transient=transient))

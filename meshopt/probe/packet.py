@@ -120,8 +120,44 @@ def encode(packet: ProbePacket) -> bytes:
     return head + bytes(packet.padding) if packet.padding else head
 
 
+# (kind, nonce, seq, send_ns, turnaround_ns, padding): a decoded datagram as a tuple.
+Fields = tuple[int, bytes, int, int, int, int]
+KINDS = {int(k): k for k in Kind}
+
+
+def request_bytes(nonce: bytes, seq: int, padding: int = 0) -> bytearray:
+    """A REQUEST ready to :func:`stamp` and send: ``encode`` of the same packet with
+    ``send_ns`` 0, without building a :class:`ProbePacket` (the prober's per-probe path)."""
+    if len(nonce) != NONCE_BYTES or not 0 <= seq < _U32 or not 0 <= padding <= MAX_PADDING:
+        return bytearray(encode(ProbePacket(Kind.REQUEST, nonce, seq, 0, padding=padding)))
+    head = HEADER.pack(MAGIC, VERSION, 1, HEADER_BYTES + padding, nonce, seq, 0, 0)
+    return bytearray(head + bytes(padding) if padding else head)
+
+
+def reply_bytes(request: Fields, turnaround_ns: int) -> bytes:
+    """``encode(reply_to(request, turnaround_ns))`` for a request :func:`parse` accepted,
+    without the objects (the responder's per-probe path)."""
+    _, nonce, seq, send_ns, _, _ = request
+    turnaround = min(max(turnaround_ns, 0), _U32 - 1)
+    return HEADER.pack(MAGIC, VERSION, 2, HEADER_BYTES, nonce, seq, send_ns, turnaround)
+
+
 def decode(data: bytes) -> ProbePacket:
     """Parse one datagram; :class:`ProbeFormatError` (and nothing else) for anything bad."""
+    kind, nonce, seq, send_ns, turnaround, padding = parse(data)
+    return ProbePacket(
+        kind=KINDS[kind],
+        nonce=nonce,
+        seq=seq,
+        send_ns=send_ns,
+        turnaround_ns=turnaround,
+        padding=padding,
+    )
+
+
+def parse(data: bytes) -> Fields:
+    """:func:`decode` as a plain tuple (the per-probe paths): the same checks and errors;
+    ``kind`` is 1 (REQUEST) or 2 (REPLY)."""
     n = len(data)
     if n < HEADER_BYTES:
         raise ProbeFormatError("short", f"{n} bytes, a probe has at least {HEADER_BYTES}")
@@ -132,20 +168,13 @@ def decode(data: bytes) -> ProbePacket:
         raise ProbeFormatError("bad_magic", f"magic {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
         raise ProbeFormatError("bad_version", f"version {version}, this is {VERSION}")
-    if kind not in (Kind.REQUEST, Kind.REPLY):
+    if kind not in (1, 2):
         raise ProbeFormatError("unknown_kind", f"kind {kind}")
     if length != n:
         raise ProbeFormatError("bad_length", f"header says {length} bytes, datagram has {n}")
-    if kind == Kind.REPLY and n != HEADER_BYTES:
+    if kind == 2 and n != HEADER_BYTES:
         raise ProbeFormatError("bad_length", f"a reply is {HEADER_BYTES} bytes, got {n}")
-    return ProbePacket(
-        kind=Kind(kind),
-        nonce=nonce,
-        seq=seq,
-        send_ns=send_ns,
-        turnaround_ns=turnaround,
-        padding=n - HEADER_BYTES,
-    )
+    return kind, nonce, seq, send_ns, turnaround, n - HEADER_BYTES
 
 
 def reply_to(request: ProbePacket, turnaround_ns: int) -> ProbePacket:

@@ -99,16 +99,15 @@ from typing import Any
 from meshopt.errors import InputError
 from meshopt.probe.budget import IN_USE, Rate
 from meshopt.probe.packet import (
+    KINDS,
     MAX_PADDING,
     MAX_PROBE_BYTES,
     NONCE_BYTES,
     PROBE_PORT,
-    Kind,
     ProbeFormatError,
-    ProbePacket,
-    decode,
-    encode,
+    parse,
     probe_bytes_per_s,
+    request_bytes,
     stamp,
 )
 from meshopt.probe.stats import DEFAULT_HALF_LIFE_S, PeerWindow, ProbeStats
@@ -631,9 +630,7 @@ class Prober:
             return
         seq = self._next_seq
         self._next_seq = (seq + 1) % _SEQ_MOD
-        data = bytearray(
-            encode(ProbePacket(Kind.REQUEST, self.nonce, seq, 0, padding=self.config.padding))
-        )
+        data = request_bytes(self.nonce, seq, self.config.padding)
         # Stamped after encoding, right before the send: encoding (and a preemption
         # during it) is not part of the round trip.
         send_ns = time.time_ns()
@@ -684,38 +681,38 @@ class Prober:
 
     def _handle(self, data: bytes, addr: object, rx_ns: int, now: float) -> None:
         try:
-            reply = decode(data)
+            kind, nonce, seq, send_ns, turnaround_ns, _ = parse(data)
         except ProbeFormatError as exc:
             self._bad(exc.reason, addr, str(exc))
             return
-        if reply.kind is not Kind.REPLY:
-            self._bad("not_reply", addr, f"a {reply.kind.name} sent to the prober")
+        if kind != 2:
+            self._bad("not_reply", addr, f"a {KINDS[kind].name} sent to the prober")
             return
-        if reply.nonce != self.nonce:
+        if nonce != self.nonce:
             self._count("wrong_nonce", addr, "a reply with another prober's nonce")
             return
-        pending = self._pending.get(reply.seq)
+        pending = self._pending.get(seq)
         if pending is None:
-            state, peer = self._recent.states.get(reply.seq, ("unknown", None))
+            state, peer = self._recent.states.get(seq, ("unknown", None))
             if state == "done":
-                self._count("duplicate", addr, f"a second reply to seq {reply.seq}")
+                self._count("duplicate", addr, f"a second reply to seq {seq}")
             elif (
                 state == "expired"
                 and peer is not None
                 and self._peers.get(peer.target.name) is peer
             ):
-                self._count("late", addr, f"a reply after timeout_s to seq {reply.seq}")
+                self._count("late", addr, f"a reply after timeout_s to seq {seq}")
                 self._replied(peer, now)
             else:
-                self._count("unknown_seq", addr, f"a reply to seq {reply.seq}, never sent")
+                self._count("unknown_seq", addr, f"a reply to seq {seq}, never sent")
             return
-        if reply.send_ns != pending.send_ns:
-            self._bad("bad_echo", addr, f"seq {reply.seq} echoes another send time")
+        if send_ns != pending.send_ns:
+            self._bad("bad_echo", addr, f"seq {seq} echoes another send time")
             return
-        del self._pending[reply.seq]
+        del self._pending[seq]
         peer = pending.peer
         peer.bytes_received += len(data)
-        self._recent.add(reply.seq, "done", peer)
+        self._recent.add(seq, "done", peer)
         self._replied(peer, now)
         # Both stamps are CLOCK_REALTIME: a step between them (NTP) shows as a span the
         # monotonic clock does not agree with. A turnaround longer than the whole round
@@ -724,9 +721,9 @@ class Prober:
         if not 0 < span_ns <= (now - pending.sent_at + SLACK_S) * 1e9:
             self._count("clock_step", addr, f"a round trip of {span_ns} ns (clock stepped)")
             return
-        rtt_ns = span_ns - reply.turnaround_ns
+        rtt_ns = span_ns - turnaround_ns
         if rtt_ns <= 0:
-            self._bad("bad_turnaround", addr, f"turnaround {reply.turnaround_ns} ns >= RTT")
+            self._bad("bad_turnaround", addr, f"turnaround {turnaround_ns} ns >= RTT")
             return
         if pending.early:
             # Queued behind WireGuard's first handshake: proof of life, not an RTT (under
@@ -734,7 +731,7 @@ class Prober:
             # estimate of an 80 ms tunnel).
             self.counters["early_reply"] += 1
             return
-        peer.window.add_reply(reply.seq, rtt_ns / 1e6, now)
+        peer.window.add_reply(seq, rtt_ns / 1e6, now)
 
     def _replied(self, peer: _Peer, now: float) -> None:
         peer.last_reply = now

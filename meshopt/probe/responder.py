@@ -61,13 +61,12 @@ from typing import Final, Protocol, TypeAlias
 
 from meshopt.errors import InputError
 from meshopt.probe.packet import (
+    KINDS,
     MAX_PROBE_BYTES,
     PROBE_PORT,
-    Kind,
     ProbeFormatError,
-    decode,
-    encode,
-    reply_to,
+    parse,
+    reply_bytes,
 )
 from meshopt.probe.timestamps import Address, drain_timestamped, open_udp_socket
 
@@ -591,16 +590,16 @@ class Responder:
         if rx_ns is None:
             self.counters["no_kernel_ts"] += 1
         try:
-            request = decode(data)
+            request = parse(data)
         except ProbeFormatError as exc:
             self._drop(exc.reason, addr, str(exc))
             return
-        if request.kind is not Kind.REQUEST:
-            self._drop("not_request", addr, f"a {request.kind.name} is never answered")
+        if request[0] != 1:
+            self._drop("not_request", addr, f"a {KINDS[request[0]].name} is never answered")
             return
         sent_ns = time.time_ns()
         turnaround = sent_ns - rx_ns if rx_ns is not None else 0
-        reply = encode(reply_to(request, turnaround))
+        reply = reply_bytes(request, turnaround)
         if len(reply) > len(data):  # cannot happen with this format; never amplify
             self._drop("would_amplify", addr, f"a {len(reply)}-byte reply to {len(data)}")
             return

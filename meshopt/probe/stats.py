@@ -17,6 +17,7 @@ Two kinds of figure:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -90,10 +91,14 @@ class PeerWindow:
         self.lost = 0
         self.last_reply_at: float | None = None
         self.last_loss_at: float | None = None
+        # The last stats(), until an outcome changes them (the agent asks for every
+        # peer's each second; a slowly probed peer has a new outcome every few).
+        self._stats: ProbeStats | None = None
 
     def reset_smoothing(self) -> None:
         """Start the smoothed figures afresh (a peer that comes back after being dead)."""
         self.estimator.reset()
+        self._stats = None
 
     def add_sent(self, seq: int, now: float) -> None:
         self.sent += 1
@@ -118,12 +123,22 @@ class PeerWindow:
     def _record(self, seq: int, rtt_ms: float | None) -> bool:
         if seq in self._outcomes:
             return False
+        self._stats = None
         self._outcomes[seq] = rtt_ms
         if len(self._outcomes) > self.window:
             del self._outcomes[next(iter(self._outcomes))]
         return True
 
     def stats(self) -> ProbeStats:
+        cached = self._stats
+        if cached is not None:
+            if cached.sent != self.sent:  # only probes sent since: the rest still holds
+                cached = self._stats = dataclasses.replace(cached, sent=self.sent)
+            return cached
+        self._stats = self._compute()
+        return self._stats
+
+    def _compute(self) -> ProbeStats:
         rtts = sorted(r for r in self._outcomes.values() if r is not None)
         outcomes = len(self._outcomes)
         lost = outcomes - len(rtts)

@@ -236,11 +236,27 @@ _PEER_KEYS = frozenset(
 )
 
 
+# An agent reads every peer's AllowedIPs every couple of seconds, the same strings each
+# time: normalising them with ipaddress was half of parsing a 100-peer reply. Good ones
+# are remembered (a bounded map, emptied when full: a peer list that churns costs a
+# re-parse, never memory).
+MAX_REMEMBERED = 65536
+_normalized: dict[str, str] = {}
+
+
 def _allowed_ip(value: str, path: str | None) -> str:
     try:
-        return str(ipaddress.ip_network(value, strict=False))
+        return _normalized[value]
+    except KeyError:
+        pass
+    try:
+        out = str(ipaddress.ip_network(value, strict=False))
     except ValueError:
         raise UapiError(f"bad allowed_ip in reply: {value[:50]!r}", path=path) from None
+    if len(_normalized) >= MAX_REMEMBERED:
+        _normalized.clear()
+    _normalized[value] = out
+    return out
 
 
 def _decode(data: bytes, path: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from meshopt.agent.peers import PeerInfo
-from meshopt.agent.plan import allowed_ips_updates, own_prefixes_from, plan_node
+from meshopt.agent.plan import allowed_ips_updates, own_prefixes_from, plan_node, prefix_owner
 from meshopt.agent.probeaddr import probe_prefix
 from meshopt.bus.messages import Route
 from meshopt.wireguard.keys import generate_keypair
@@ -147,3 +147,28 @@ def test_without_a_route_set_allowed_ips_are_kept() -> None:
     )
     assert set(plan.allowed_ips["wg0"][C]) == {"10.9.0.2/32", "10.9.0.3/32", probe_prefix(C)}
     assert plan.allowed_ips["wg0"][B] == (probe_prefix(B),)
+
+
+def test_prefix_owner_is_the_most_specific_baseline_and_nobody_when_unclear() -> None:
+    probe = probe_prefix(generate_keypair()[1])
+    owner = prefix_owner(
+        {
+            "hub": ["10.0.0.0/24", "fd00::/64", probe],
+            "spoke": ["10.0.0.7/32", "0.0.0.0/0"],
+            "other": ["10.0.1.5/32", "::/0"],
+            "twin1": ["10.0.2.0/24"],
+            "twin2": ["10.0.2.0/24"],
+            "bad": ["not a prefix"],
+        }
+    )
+    assert owner("10.0.0.7/32") == "spoke"  # its own /32 beats the hub's /24
+    assert owner("10.0.0.9/32") == "hub"
+    assert owner("10.0.0.0/25") == "hub"
+    assert owner("fd00::5/128") == "hub"
+    assert owner("10.0.1.5/32") == "other"
+    assert owner("10.0.2.1/32") is None  # two peers hold it alike
+    assert owner("192.168.1.1/32") is None  # only default routes hold it: nobody's
+    assert owner("10.0.0.0/16") is None  # wider than any baseline prefix
+    assert owner(probe) is None  # link-local: probe addresses name nobody
+    assert owner("garbage") is None
+    assert prefix_owner({})("10.0.0.1/32") is None

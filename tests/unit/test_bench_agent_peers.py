@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 
 from meshopt.bus.messages import decode_route_set, encode
-from meshopt.probe.budget import IDLE, IN_USE, ProbeBudget, route_hops
+from meshopt.probe.budget import IDLE, IN_USE, ProbeBudget, route_use
 from meshopt.wireguard.keys import generate_keypair
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_agent_peers.py"
@@ -30,28 +30,38 @@ def bench() -> ModuleType:
 KEYS = [generate_keypair()[1] for _ in range(100)]
 
 
-def classes(rs_routes: list[object], keys: list[str]) -> dict[str, int]:
-    plan = ProbeBudget().plan(keys, route_hops(rs_routes), {}, 0.0)  # type: ignore[arg-type]
-    return {c: plan.count(c) for c in (IN_USE, IDLE)}
+def classes(bench: ModuleType, rs_routes: list[object], keys: list[str]) -> dict[str, str]:
+    """The agent's classes for this route set: owners as its baselines give them."""
+    owners = {bench.overlay(i): k for i, k in enumerate(keys)}
+    use = route_use(rs_routes, owners.get)  # type: ignore[arg-type]
+    return ProbeBudget().classify(keys, use.relays, {}, 0.0, use.backups)
 
 
-def test_a_full_mesh_route_set_puts_every_peer_in_use(bench: ModuleType) -> None:
+def test_a_full_mesh_route_set_keeps_relays_and_their_backups_in_use(bench: ModuleType) -> None:
     rs = bench.route_set(KEYS, "full", 1)
     assert decode_route_set(encode(rs)) == rs  # a set every agent takes
     assert (
         len(rs.routes) == 100
         and sum(r.via != k for r, k in zip(rs.routes, KEYS, strict=True)) == 10
     )
-    assert classes(rs.routes, KEYS) == {IN_USE: 100, IDLE: 0}
-    assert bench.peer_intervals(100, "full") == [0.33] * 100
+    got = classes(bench, rs.routes, KEYS)
+    # Peer 10j+8 relays to 10j+9, whose direct tunnel is that route's backup; the 80
+    # direct routes without traffic leave their peers idle.
+    in_use = {KEYS[i] for i in range(100) if i % 10 in (8, 9)}
+    assert {k for k, c in got.items() if c == IN_USE} == in_use
+    assert sum(1 for c in got.values() if c == IDLE) == 80
+    intervals = bench.peer_intervals(100, "full")
+    assert [i for i, x in enumerate(intervals) if x == 0.33] == [
+        i for i in range(100) if i % 10 in (8, 9)
+    ]
+    assert {x for x in intervals if x != 0.33} == {2.0}
 
 
-def test_a_partial_route_set_leaves_nine_tenths_idle(bench: ModuleType) -> None:
+def test_a_partial_route_set_of_direct_routes_leaves_every_link_idle(bench: ModuleType) -> None:
     rs = bench.route_set(KEYS, "partial", 1)
     assert len(rs.routes) == 10
-    assert classes(rs.routes, KEYS) == {IN_USE: 10, IDLE: 90}
-    intervals = bench.peer_intervals(100, "partial")
-    assert intervals[:10] == [0.33] * 10 and set(intervals[10:]) == {2.0}
+    assert set(classes(bench, rs.routes, KEYS).values()) == {IDLE}
+    assert set(bench.peer_intervals(100, "partial")) == {2.0}
 
 
 def test_overlay_addresses_are_distinct_host_prefixes(bench: ModuleType) -> None:

@@ -25,6 +25,7 @@ from meshopt.probe.budget import (
     TrafficMeter,
     idle_interval,
     route_hops,
+    route_use,
 )
 from meshopt.probe.packet import decode, encode, probe_bytes_per_s, reply_to
 from meshopt.probe.prober import GRID_S, ProbeConfig, Prober, Target
@@ -43,6 +44,7 @@ EXCHANGE_B = probe_bytes_per_s(1.0, 0)  # request + reply, IPv6 in IPv4, WireGua
 class R:
     via: str
     backup: str | None = None
+    dst: str = ""
 
 
 def test_route_hops_are_next_hops_and_backups() -> None:
@@ -62,6 +64,94 @@ def test_next_hops_and_traffic_are_in_use_the_rest_idle() -> None:
         "trickle": IDLE,
         "quiet": IDLE,
     }
+
+
+# A mesh as one agent sees it: each peer's own prefix is "<peer>/32".
+def own(dst: str) -> str | None:
+    return dst.removesuffix("/32") if dst.endswith("/32") else None
+
+
+def route(dst: str, via: str, backup: str | None = None) -> R:
+    return R(via, backup, f"{dst}/32")
+
+
+def test_route_use_relays_are_next_hops_to_other_destinations_and_backups_per_hop() -> None:
+    use = route_use(
+        [
+            route("a", "a", "b"),  # direct, backup b
+            route("c", "b", "c"),  # b relays to c; c's tunnel is the backup
+            route("d", "d"),  # direct, no backup
+            route("e", "e", "e"),  # a backup equal to the next hop is no backup
+            R("f", "g", "10.0.0.0/8"),  # a destination nobody owns: counted as relayed
+        ],
+        own,
+    )
+    assert use.relays == {"b", "f"}
+    assert use.backups == {"a": {"b"}, "b": {"c"}, "f": {"g"}}
+    assert route_use([], own) == type(use)()
+
+
+def classes_of(routes: list[R], traffic: dict[str, float], now: float = 0.0) -> dict[str, str]:
+    use = route_use(routes, own)
+    return ProbeBudget().classify(PEERS, use.relays, traffic, now, use.backups)
+
+
+PEERS = ["a", "b", "c", "d", "e"]
+# A full mesh's route set: a route to every peer, direct but for c (relayed by b,
+# its tunnel the backup); every direct route backed up by the next peer.
+FULL = [route("a", "a", "b"), route("b", "b", "c"), route("c", "b", "c"), route("d", "d", "e")]
+FULL += [route("e", "e", "a")]
+
+
+def test_direct_routes_without_traffic_are_idle_relays_and_their_backups_in_use() -> None:
+    # b relays (to c), so b is in use, and so are the backups of every route through
+    # b: c (backup of b's route to c, and of b's own). a, d and e are only direct next
+    # hops or backups of next hops that are idle themselves.
+    assert classes_of(FULL, {}) == {"a": IDLE, "b": IN_USE, "c": IN_USE, "d": IDLE, "e": IDLE}
+
+
+def test_traffic_on_a_direct_next_hop_puts_it_and_its_backup_in_use() -> None:
+    # Local fail-over moves d's route to e the moment d is dead: e must be known alive.
+    got = classes_of(FULL, {"d": 50_000.0})
+    assert got == {"a": IDLE, "b": IN_USE, "c": IN_USE, "d": IN_USE, "e": IN_USE}
+    # Not further: e is only a backup (it carries nothing), so e's own backup (a) stays
+    # idle, and a trickle below the threshold (what fast probes move) changes nothing.
+    assert classes_of(FULL, {"a": 700.0})["a"] == IDLE
+
+
+def test_a_backup_follows_its_next_hop_including_the_hold_and_no_longer() -> None:
+    budget = ProbeBudget(BudgetConfig(in_use_hold_s=30.0))
+    use = route_use(FULL, own)
+
+    def at(now: float, traffic: dict[str, float]) -> tuple[str, str]:
+        got = budget.classify(PEERS, use.relays, traffic, now, use.backups)
+        return got["d"], got["e"]
+
+    assert at(0.0, {"d": 1e5}) == (IN_USE, IN_USE)
+    assert at(30.0, {}) == (IN_USE, IN_USE)  # d held, and e with it
+    assert at(30.5, {}) == (IDLE, IDLE)  # e had no hold of its own
+    # The route set changes its backup: the new one is in use at once, the old idle.
+    moved = route_use([*FULL[:3], route("d", "d", "a"), FULL[4]], own)
+    budget.classify(PEERS, moved.relays, {"d": 1e5}, 31.0, moved.backups)
+    got = budget.classify(PEERS, moved.relays, {"d": 1e5}, 32.0, moved.backups)
+    assert (got["d"], got["a"], got["e"]) == (IN_USE, IN_USE, IDLE)
+
+
+def test_relays_are_held_after_the_route_set_drops_them() -> None:
+    budget = ProbeBudget(BudgetConfig(in_use_hold_s=30.0))
+    use = route_use(FULL, own)
+    assert budget.classify(PEERS, use.relays, {}, 0.0, use.backups)["b"] == IN_USE
+    direct = route_use([route(p, p) for p in PEERS], own)  # c direct now: nobody relays
+    assert direct.relays == frozenset()
+    got = budget.classify(PEERS, direct.relays, {}, 20.0, direct.backups)
+    assert (got["b"], got["c"]) == (IN_USE, IDLE)  # b held; c was only b's backup
+    assert budget.classify(PEERS, direct.relays, {}, 30.5, direct.backups)["b"] == IDLE
+
+
+def test_backups_of_unknown_next_hops_and_unknown_backups_are_ignored() -> None:
+    use = route_use([route("x", "x", "a"), route("y", "b", "z")], own)
+    got = ProbeBudget().classify(["a", "b"], use.relays, {"x": 1e6}, 0.0, use.backups)
+    assert got == {"a": IDLE, "b": IN_USE}  # x is no peer; z (b's backup) neither
 
 
 def test_in_use_is_held_for_hold_s_then_idle_and_gone_peers_are_forgotten() -> None:
@@ -406,3 +496,13 @@ def test_agent_settings_build_the_budget_and_bad_ones_name_the_key() -> None:
     with pytest.raises(InputError) as info:
         parse_config({"agent": {"mesh": "m", "node": "n1"}, "probe": {"max_probes_per_s": 0}})
     assert "probe.max_probes_per_s must be a positive number" in str(info.value)
+
+
+def test_transient_peers_are_in_use_now_and_not_held() -> None:
+    budget = ProbeBudget(BudgetConfig(in_use_hold_s=30.0))
+    assert budget.classify(["a", "b"], set(), {}, 0.0, transient=["a", "b"]) == {
+        "a": IN_USE,
+        "b": IN_USE,
+    }
+    assert budget.classify(["a", "b"], set(), {}, 1.0) == {"a": IDLE, "b": IDLE}
+    assert budget.last_used == {}

@@ -22,8 +22,11 @@ from meshopt.probe.packet import (
     ProbePacket,
     decode,
     encode,
+    parse,
     probe_bytes_per_s,
+    reply_bytes,
     reply_to,
+    request_bytes,
     wire_bytes,
 )
 from meshopt.probe.prober import ProbeConfig, Target
@@ -238,3 +241,44 @@ def test_stamp_writes_the_send_time_into_an_encoded_request() -> None:
     stamp(buf, 1_700_000_000_123_456_789)
     got = decode(bytes(buf))
     assert (got.seq, got.send_ns, got.padding) == (7, 1_700_000_000_123_456_789, 3)
+
+
+@given(
+    nonce=st.binary(min_size=8, max_size=8),
+    seq=st.integers(0, 2**32 - 1),
+    send_ns=st.integers(0, 2**64 - 1),
+    padding=st.integers(0, MAX_PADDING),
+    turnaround=st.integers(-(2**40), 2**40),
+)
+def test_the_per_probe_fast_paths_give_the_same_bytes_and_fields(
+    nonce: bytes, seq: int, send_ns: int, padding: int, turnaround: int
+) -> None:
+    packet = ProbePacket(Kind.REQUEST, nonce, seq, send_ns, padding=padding)
+    data = encode(packet)
+    fields = parse(data)
+    assert fields == (1, nonce, seq, send_ns, 0, padding)
+    assert decode(data) == packet
+    assert reply_bytes(fields, turnaround) == encode(reply_to(packet, turnaround))
+    sent = request_bytes(nonce, seq, padding)
+    assert isinstance(sent, bytearray)
+    assert sent == bytearray(encode(ProbePacket(Kind.REQUEST, nonce, seq, 0, padding=padding)))
+
+
+@given(data=st.binary(max_size=80))
+def test_parse_refuses_what_decode_refuses_for_the_same_reason(data: bytes) -> None:
+    try:
+        want: object = decode(data)
+    except ProbeFormatError as exc:
+        want = exc.reason
+    try:
+        kind, nonce, seq, send_ns, turnaround, padding = parse(data)
+        got: object = ProbePacket(Kind(kind), nonce, seq, send_ns, turnaround, padding)
+    except ProbeFormatError as exc:
+        got = exc.reason
+    assert got == want
+
+
+def test_request_bytes_refuses_what_encode_refuses() -> None:
+    for args in ((b"short", 1, 0), (NONCE, 2**32, 0), (NONCE, 1, MAX_PADDING + 1)):
+        with pytest.raises(ValueError):
+            request_bytes(*args)

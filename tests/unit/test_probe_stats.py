@@ -118,3 +118,27 @@ def test_bad_window_arguments() -> None:
         PeerWindow(window=0)
     with pytest.raises(ValueError):
         PeerWindow(interval_s=0)
+
+
+def test_stats_asked_again_are_the_same_until_an_outcome_and_follow_every_send() -> None:
+    import random
+
+    rng = random.Random(3)
+    cached, fresh = PeerWindow(16), PeerWindow(16)
+    for seq in range(200):
+        for w in (cached, fresh):
+            w.add_sent(seq, seq * 0.33)
+        step = rng.random()
+        if step < 0.7:
+            rtt = 10 + rng.random() * 5
+            assert cached.add_reply(seq, rtt, seq * 0.33 + 0.01)
+            fresh.add_reply(seq, rtt, seq * 0.33 + 0.01)
+        elif step < 0.8:
+            cached.add_loss(seq, seq * 0.33 + 1)
+            fresh.add_loss(seq, seq * 0.33 + 1)
+        elif step < 0.82:
+            cached.reset_smoothing()
+            fresh.reset_smoothing()
+        # What it would compute now, asked of a window that never answered from memory.
+        assert cached.stats() == fresh._compute()
+        assert cached.stats() is cached.stats()
