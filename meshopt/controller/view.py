@@ -217,13 +217,12 @@ class _PeerArrays:
     sent: FloatArray  # probes sent to the peer so far
     bandwidth: FloatArray
     pmtu: FloatArray
-    source: tuple[int, int]  # (id, version) of the rows they were built from
+    version: int  # the rows' change count when they were built (-1: from a table)
     dst: np.ndarray | None = None  # node index per peer (-1: none), for ``layout``
     layout: int = -1
     table: PeerTable | None = None  # the snapshot's table they were built from, if so
-    # The rows they were built from, held: ``source`` names them by id(), and a new
-    # rows dict built after a snapshot can get the freed one's id and the same version
-    # count, so an id alone let stale arrays pass for new ones.
+    # The rows they were built from, held and compared by identity: an id() (as once) can
+    # be a freed dict's, and a new snapshot's rows with the same count passed for old ones.
     rows: _Rows | None = None
 
     @classmethod
@@ -246,7 +245,7 @@ class _PeerArrays:
             sent=np.array([p.probes_sent for p in reps], dtype=np.float64),
             bandwidth=col("bandwidth_mbit"),
             pmtu=col("pmtu"),
-            source=(id(rows), rows.version),
+            version=rows.version,
             rows=rows,
         )
 
@@ -305,7 +304,7 @@ class _PeerArrays:
             sent=plain("probes_sent"),
             bandwidth=bw,
             pmtu=pmtu,
-            source=(id(table), -1),
+            version=-1,
             table=table,
         )
 
@@ -390,7 +389,7 @@ class NodeInfo:
         rows = self._rows
         assert rows is not None
         a = self._arrays
-        if a is None or a.rows is not rows or a.source != (id(rows), rows.version):
+        if a is None or a.rows is not rows or a.version != rows.version:
             a = self._arrays = _PeerArrays.of(rows)
         return a
 
