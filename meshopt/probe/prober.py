@@ -517,6 +517,11 @@ class Prober:
             return
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
+            # A caller re-arming after a stall (the agent's poll or a route set ran before
+            # this timer's late callback) must not erase the lateness: credit it here.
+            if self._wake_at is not None and now - self._wake_at > STALL_TOLERANCE_S:
+                self._credit_stall(now - self._wake_at, now)
         wake = self._next_wake(now)
         delay = max(0.0, wake - now)
         self._wake_at = now + delay
