@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from meshopt.analysis import Plan
@@ -38,7 +39,7 @@ from meshopt.bench.cpuload import cpu_load, lag_window
 from meshopt.bus.messages import decode_lease
 from meshopt.bus.signing import unsigned_payload
 from meshopt.demo import busiest_relay, pick_degradation
-from meshopt.lab.agents import BootWatch, agent_logs
+from meshopt.lab.agents import BootWatch, agent_logs, keep_logs
 from meshopt.lab.lab import Lab
 from meshopt.lab.measure import (
     near_optimum,
@@ -80,6 +81,11 @@ class RunResult:
     controller_failover_s: float | None = None
     routes_moved_during_failover: int | None = None
     lab_fidelity: dict[str, Any] = field(default_factory=dict)
+    # Readings until convergence: [seconds, pairs within the large margins, pairs on a
+    # path the policy keeps], and the pairs the last reading before convergence missed:
+    # where a slow start went (the controller's decision, or a route not yet installed).
+    convergence_trace: list[tuple[float, int, int]] = field(default_factory=list)
+    last_missing: list[str] = field(default_factory=list)
 
 
 def snapshot(mesh: LiveMesh) -> dict[str, dict[str, str]]:
@@ -89,41 +95,62 @@ def snapshot(mesh: LiveMesh) -> dict[str, dict[str, str]]:
         return dict(zip(mesh.nodes, pool.map(mesh._node_hops, mesh.nodes), strict=True))
 
 
+def missing(best: Plan, hops: dict[str, dict[str, str]], abs_ms: float, rel: float) -> list[str]:
+    """The pairs of one snapshot not on a path the policy keeps, with the path taken."""
+    out = []
+    for a, b in pairs(sorted(hops)):
+        path = LiveMesh.path_from(hops, a, b)
+        if not near_optimum(best, path, abs_ms, rel):
+            out.append(f"{a}->{b} via {'-'.join(path) if path else 'none'}")
+    return out
+
+
 def kept(best: Plan, hops: dict[str, dict[str, str]], abs_ms: float, rel: float) -> int:
     """Pairs on a path the policy keeps (as ``measure.on_optimum``, on one snapshot)."""
-    return sum(
-        1
-        for a, b in pairs(sorted(hops))
-        if near_optimum(best, LiveMesh.path_from(hops, a, b), abs_ms, rel)
-    )
+    return len(pairs(sorted(hops))) - len(missing(best, hops, abs_ms, rel))
+
+
+@dataclass
+class Convergence:
+    """Seconds from ``t0`` until every pair was within the large margins (``large``) and
+    on a path the policy keeps (``small``); the slowest reading of the nodes; the trace.
+
+    A time is when the snapshot that first showed it was complete (the routes were
+    there by then); the slowest reading says how much earlier they may have been."""
+
+    large: float | None = None
+    small: float | None = None
+    slowest: float = 0.0
+    trace: list[tuple[float, int, int]] = field(default_factory=list)
+    last_missing: list[str] = field(default_factory=list)
 
 
 def converge_times(
     mesh: LiveMesh, best: Plan, t0: float, policy: PolicyConfig, timeout_s: float
-) -> tuple[float | None, float | None, float]:
-    """(every pair within the large margins, every pair on a path the policy keeps,
-    the slowest reading of the nodes), seconds from ``t0``.
-
-    A time is when the snapshot that first showed it was complete (the routes were
-    there by then); the slowest reading says how much earlier they may have been."""
+) -> Convergence:
     everyone = len(pairs(mesh.nodes))
-    large: float | None = None
-    small: float | None = None
-    slowest = 0.0
+    c = Convergence()
     while time.monotonic() - t0 < timeout_s:
         began = time.monotonic()
         hops = snapshot(mesh)
         done = time.monotonic()
-        slowest = max(slowest, done - began)
-        if large is None and kept(best, hops, policy.abs_margin_ms, 0.05) == everyone:
-            large = done - t0
-        if kept(best, hops, policy.confirm_abs_ms, policy.confirm_rel) == everyone:
-            small = done - t0
-            if large is None:
-                large = small
+        c.slowest = max(c.slowest, done - began)
+        miss_large = missing(best, hops, policy.abs_margin_ms, 0.05)
+        miss_small = missing(best, hops, policy.confirm_abs_ms, policy.confirm_rel)
+        c.trace.append(
+            (round(done - t0, 2), everyone - len(miss_large), everyone - len(miss_small))
+        )
+        if c.large is None and not miss_large:
+            c.large = done - t0
+        if not miss_small:
+            c.small = done - t0
+            if c.large is None:
+                c.large = c.small
             break
+        if c.large is None:
+            c.last_missing = miss_large
         time.sleep(max(0.0, 0.5 - (time.monotonic() - began)))
-    return large, small, slowest
+    return c
 
 
 def read_lease(lab: Lab) -> tuple[str, float] | None:
@@ -158,6 +185,7 @@ def one_run(
     index: int,
     progress: Progress,
     layout: Literal["single", "per-peer"] = "single",
+    logs: Path | None = None,
 ) -> RunResult:
     res = RunResult()
     lab = Lab.up(topology, name=f"bench{index}", layout=layout)
@@ -172,9 +200,10 @@ def one_run(
         policy = PolicyConfig()
         # Within the large margins, then also every gain over the confirm margins
         # (taken once it has lasted the confirm time).
-        res.converged_s, res.settled_s, res.read_s = converge_times(
-            mesh, best, t0, policy, timeout_s=90 + policy.confirm_s + policy.hold_s
-        )
+        timeout_s = 90 + policy.confirm_s + policy.hold_s
+        conv = converge_times(mesh, best, t0, policy, timeout_s=timeout_s)
+        res.converged_s, res.settled_s, res.read_s = conv.large, conv.small, conv.slowest
+        res.convergence_trace, res.last_missing = conv.trace, conv.last_missing
         watch.join(5.0)
         if len(watch.up) == len(mesh.nodes):
             # Eight Python start-ups at once on a shared 2-core lab host take seconds that
@@ -274,6 +303,8 @@ def one_run(
         return res
     finally:
         mesh.stop()
+        if logs is not None:
+            keep_logs(lab, logs / f"run{index}")
         lab.down()
 
 
@@ -365,20 +396,27 @@ def bench(
     stability_s: float = 600.0,
     cpu_load_n: int = 0,
     progress: Progress = lambda _: None,
+    logs: Path | None = None,
 ) -> dict[str, Any]:
-    """The figures; with ``cpu_load_n`` busy processes beside the lab all along."""
+    """The figures; with ``cpu_load_n`` busy processes beside the lab all along, and each
+    run's lab logs kept under ``logs``."""
     with cpu_load(cpu_load_n) as busy:
         if busy:
             progress(f"{len(busy)} busy processes beside the lab: pids {busy}")
-        return _bench(topology, runs, stability_s, cpu_load_n, progress)
+        return _bench(topology, runs, stability_s, cpu_load_n, progress, logs)
 
 
 def _bench(
-    topology: str | None, runs: int, stability_s: float, cpu_load_n: int, progress: Progress
+    topology: str | None,
+    runs: int,
+    stability_s: float,
+    cpu_load_n: int,
+    progress: Progress,
+    logs: Path | None,
 ) -> dict[str, Any]:
     topo = resolve(topology) if topology else str(TOPOLOGY)
     started = time.monotonic()
-    results = [one_run(topo, i, progress) for i in range(runs)]
+    results = [one_run(topo, i, progress, logs=logs) for i in range(runs)]
 
     def med(key: str) -> dict[str, float | int | None]:
         return summary([getattr(r, key) for r in results])

@@ -50,6 +50,11 @@ def bench_group() -> None:
     type=click.Path(dir_okay=False, exists=True),
     help="An earlier JSON result: print each median's ratio to it.",
 )
+@click.option(
+    "--logs",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep each run's lab logs (agents, controllers, broker) under this directory.",
+)
 def convergence_cmd(
     topology: str | None,
     runs: int,
@@ -57,6 +62,7 @@ def convergence_cmd(
     cpu_load_n: int,
     quick: bool,
     baseline: str | None,
+    logs: Path | None,
 ) -> None:
     """Route quality, re-route, fail-over and stability on an 8-node live mesh."""
     base: dict[str, Any] = {}
@@ -80,6 +86,7 @@ def convergence_cmd(
         stability_s=stability_s,
         cpu_load_n=cpu_load_n,
         progress=err.log,
+        logs=logs,
     )
     if baseline is not None:
         ratios = {}

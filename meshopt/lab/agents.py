@@ -8,6 +8,7 @@ ordinary processes in the node's namespace: tagged, ended by ``lab down`` if sti
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
@@ -118,8 +119,12 @@ def start_agent(
         log.close()
 
 
+def agent_log_path(lab: Lab, node: str) -> Path:
+    return lab_dir(lab.plan.lab_id) / "agents" / f"{node}.log"
+
+
 def agent_log(lab: Lab, node: str) -> str:
-    path = lab_dir(lab.plan.lab_id) / "agents" / f"{node}.log"
+    path = agent_log_path(lab, node)
     return path.read_text(errors="replace") if path.exists() else ""
 
 
@@ -246,7 +251,22 @@ class BootWatch(threading.Thread):
 
 def agent_logs(lab: Lab, nodes: Sequence[str]) -> dict[str, Path]:
     """Each agent's lab log, removed first: a log left from an earlier start would read as up."""
-    logs = {n: lab_dir(lab.plan.lab_id) / "agents" / f"{n}.log" for n in nodes}
+    logs = {n: agent_log_path(lab, n) for n in nodes}
     for path in logs.values():
         path.unlink(missing_ok=True)
     return logs
+
+
+def keep_logs(lab: Lab, dest: Path) -> list[Path]:
+    """Copy the lab's logs (agents, controllers, broker, wireguard-go, emulator) under
+    ``dest`` before the lab goes down with them: what a benchmark run looked like from inside."""
+    root = lab_dir(lab.plan.lab_id)
+    kept: list[Path] = []
+    for path in sorted(root.rglob("*.log")):
+        if not path.is_file():
+            continue
+        target = dest / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, target)
+        kept.append(target)
+    return kept

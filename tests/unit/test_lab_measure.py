@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshopt.analysis import Plan, plan
-from meshopt.bench.convergence import RunResult, _quality_verdict
+from meshopt.bench.convergence import RunResult, _quality_verdict, kept, missing
 from meshopt.lab.measure import PairQuality, path_rtt
 from meshopt.topologies import packaged
 from meshopt.topology.load import load_topology
@@ -47,3 +47,14 @@ def test_the_verdict_names_whose_miss_it_is() -> None:
     assert _quality_verdict([ok, ok]).startswith("every pair within the goal")
     assert "2 ping readings" in _quality_verdict([ok, lab])
     assert _quality_verdict([ok, lab, route]).startswith("1 pair readings on a path outside")
+
+
+def test_the_pairs_a_reading_misses_are_named_with_the_path_taken(triangle_plan: Plan) -> None:
+    # The triangle's a-b tunnel is 80 ms and a-c-b 40 ms: a->b and b->a direct are misses.
+    direct = {"a": {"b": "b", "c": "c"}, "b": {"a": "a", "c": "c"}, "c": {"a": "a", "b": "b"}}
+    assert missing(triangle_plan, direct, 1.0, 0.05) == ["a->b via a-b", "b->a via b-a"]
+    assert kept(triangle_plan, direct, 1.0, 0.05) == 4
+    relayed = {**direct, "a": {"b": "c", "c": "c"}, "b": {"a": "c", "c": "c"}}
+    assert missing(triangle_plan, relayed, 1.0, 0.05) == []
+    looped = {**relayed, "c": {"a": "a", "b": "a"}}
+    assert missing(triangle_plan, looped, 1.0, 0.05) == ["a->b via a-c-?", "c->b via c-a-?"]
