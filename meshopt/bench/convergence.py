@@ -62,11 +62,14 @@ TOPOLOGY = packaged("bench8.yaml")  # shipped in the package: found when install
 
 @dataclass
 class RunResult:
-    converged_s: float | None = None
+    # Every pair within the policy's large margins (3 ms or 10 %): the issue's first goal.
+    large_margins_s: float | None = None
+    converged_s: float | None = None  # stricter, as reported before: within 3 ms or 5 %
     settled_s: float | None = None  # also every gain over the policy's confirm margins
     read_s: float = 0.0  # the slowest reading of every node's next hops meanwhile
     agents_up_s: float | None = None  # from their start until the last agent logged "up"
     converged_after_up_s: float | None = None  # converged_s less agents_up_s
+    large_margins_after_up_s: float | None = None  # large_margins_s less agents_up_s
     within_5pct: int = 0
     within_goal: int = 0  # within max(5 %, 1 ms)
     on_optimum_path: int = 0
@@ -81,10 +84,10 @@ class RunResult:
     controller_failover_s: float | None = None
     routes_moved_during_failover: int | None = None
     lab_fidelity: dict[str, Any] = field(default_factory=dict)
-    # Readings until convergence: [seconds, pairs within the large margins, pairs on a
-    # path the policy keeps], and the pairs the last reading before convergence missed:
-    # where a slow start went (the controller's decision, or a route not yet installed).
-    convergence_trace: list[tuple[float, int, int]] = field(default_factory=list)
+    # Readings until convergence: [seconds, pairs within the large margins, within 3 ms
+    # or 5 %, on a path the policy keeps], and the pairs the last reading before
+    # convergence (3 ms or 5 %) missed: where a slow start went.
+    convergence_trace: list[tuple[float, int, int, int]] = field(default_factory=list)
     last_missing: list[str] = field(default_factory=list)
 
 
@@ -112,16 +115,18 @@ def kept(best: Plan, hops: dict[str, dict[str, str]], abs_ms: float, rel: float)
 
 @dataclass
 class Convergence:
-    """Seconds from ``t0`` until every pair was within the large margins (``large``) and
-    on a path the policy keeps (``small``); the slowest reading of the nodes; the trace.
+    """Seconds from ``t0`` until every pair was within the policy's large margins
+    (``margins``), within 3 ms or 5 % (``large``) and on a path the policy keeps
+    (``small``); the slowest reading of the nodes; the trace.
 
     A time is when the snapshot that first showed it was complete (the routes were
     there by then); the slowest reading says how much earlier they may have been."""
 
+    margins: float | None = None
     large: float | None = None
     small: float | None = None
     slowest: float = 0.0
-    trace: list[tuple[float, int, int]] = field(default_factory=list)
+    trace: list[tuple[float, int, int, int]] = field(default_factory=list)
     last_missing: list[str] = field(default_factory=list)
 
 
@@ -135,17 +140,25 @@ def converge_times(
         hops = snapshot(mesh)
         done = time.monotonic()
         c.slowest = max(c.slowest, done - began)
+        miss_margins = missing(best, hops, policy.abs_margin_ms, policy.rel_margin)
         miss_large = missing(best, hops, policy.abs_margin_ms, 0.05)
         miss_small = missing(best, hops, policy.confirm_abs_ms, policy.confirm_rel)
         c.trace.append(
-            (round(done - t0, 2), everyone - len(miss_large), everyone - len(miss_small))
+            (
+                round(done - t0, 2),
+                everyone - len(miss_margins),
+                everyone - len(miss_large),
+                everyone - len(miss_small),
+            )
         )
+        if c.margins is None and not miss_margins:
+            c.margins = done - t0
         if c.large is None and not miss_large:
             c.large = done - t0
         if not miss_small:
             c.small = done - t0
-            if c.large is None:
-                c.large = c.small
+            c.margins = c.small if c.margins is None else c.margins
+            c.large = c.small if c.large is None else c.large
             break
         if c.large is None:
             c.last_missing = miss_large
@@ -203,6 +216,7 @@ def one_run(
         timeout_s = 90 + policy.confirm_s + policy.hold_s
         conv = converge_times(mesh, best, t0, policy, timeout_s=timeout_s)
         res.converged_s, res.settled_s, res.read_s = conv.large, conv.small, conv.slowest
+        res.large_margins_s = conv.margins
         res.convergence_trace, res.last_missing = conv.trace, conv.last_missing
         watch.join(5.0)
         if len(watch.up) == len(mesh.nodes):
@@ -211,8 +225,11 @@ def one_run(
             res.agents_up_s = max(watch.up.values())
             if res.converged_s is not None:
                 res.converged_after_up_s = res.converged_s - res.agents_up_s
+            if res.large_margins_s is not None:
+                res.large_margins_after_up_s = res.large_margins_s - res.agents_up_s
         progress(
-            f"run {index}: converged after {res.converged_s} s (from agent start; "
+            f"run {index}: within the large margins after {res.large_margins_s} s, "
+            f"converged after {res.converged_s} s (from agent start; "
             f"agents up after {res.agents_up_s} s)"
         )
         progress(f"run {index}: small gains taken after {res.settled_s} s (from agent start)")
@@ -444,6 +461,10 @@ def _bench(
             and all(r.pairs and r.path_within_goal == r.pairs for r in results),
             "verdict": _quality_verdict(results),
         },
+        # The issue's goal: every pair within the policy's large margins (3 ms or 10 %)
+        # <= 10 s from the agents' start. initial_convergence_s is stricter (3 ms or 5 %).
+        "within_large_margins_s": {**med("large_margins_s"), "goal": "<= 10"},
+        "within_large_margins_after_agents_up_s": med("large_margins_after_up_s"),
         "initial_convergence_s": med("converged_s"),
         "agents_up_s": med("agents_up_s"),
         "initial_convergence_after_agents_up_s": med("converged_after_up_s"),
