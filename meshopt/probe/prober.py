@@ -60,6 +60,14 @@ carried in the reply). Without ancillary data the prober falls back to the time 
 read the reply and counts ``no_kernel_ts``. Scheduling, timeouts and liveness use
 ``time.monotonic()`` (``dead_since`` is a monotonic time).
 
+Replies are not read as they arrive (no reader on the socket, no wake-up per reply):
+they wait in the socket, kernel-stamped, and every timer tick (each send, each due
+death or timeout, and at least every ``STALL_TOLERANCE_S``) reads all of them before
+it judges anything. The RTT is the stamps', so the wait costs it nothing, and a reply
+counts for liveness from its stamp (as a monotonic time), not from when it was read.
+``timer_error`` is therefore how long replies waited to be read (up to a tick, by
+design): what a prober stamping replies in user space at these moments would add.
+
 Everything arrives on one dual-stack socket bound to ``[::]:0``. A reply whose nonce
 is not this prober's, whose seq was never sent (or belongs to a removed target), that
 repeats or that comes after ``timeout_s`` is dropped and counted (``wrong_nonce``,
@@ -117,7 +125,10 @@ log = logging.getLogger("meshopt.probe")
 
 __all__ = ["PROBE_PORT", "ProbeConfig", "Prober", "Target"]
 
-DRAIN = 64  # datagrams read per wake-up before yielding to the loop
+DRAIN = 1024  # replies read per timer tick at most (the rest at the next one)
+# A reply read this long after its kernel stamp is taken as having arrived this long
+# before it was read, no earlier (a realtime clock step must not move liveness far).
+MAX_WAIT_S = 1.0
 RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and late replies
 SLACK_S = 0.001  # a timer that fires this early still counts as due
 # A timer this late means the prober itself was not running (a stalled process or VM);
@@ -319,8 +330,9 @@ class Prober:
         except OSError as exc:
             raise InputError(f"prober cannot open its dual-stack UDP socket: {exc}") from exc
         self._loop = asyncio.get_running_loop()
+        # No reader on the socket: replies wait there, kernel-stamped, until the next
+        # timer tick reads them all (a wake-up per reply was a third of the agent's).
         self._sock = sock
-        self._loop.add_reader(sock.fileno(), self._on_readable)
         self._arm(self._clock())
 
     async def close(self) -> None:
@@ -328,8 +340,6 @@ class Prober:
             self._timer.cancel()
             self._timer = None
         if self._sock is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
 
@@ -558,9 +568,10 @@ class Prober:
     def _on_timer(self) -> None:
         self._timer = None
         late = self._clock() - self._wake_at if self._wake_at is not None else 0.0
-        # Replies that arrived while this loop was late (a stall) are taken first, with
-        # their kernel stamps, so they count before any peer is judged.
-        self._on_readable()
+        # Replies are read here, before anything is judged: those that arrived since the
+        # last tick, and those that queued while this loop was late (a stall), with
+        # their kernel stamps.
+        self._read_replies()
         now = self._clock()
         if late > STALL_TOLERANCE_S:
             self._credit_stall(late, now)
@@ -636,10 +647,17 @@ class Prober:
         seq = self._next_seq
         self._next_seq = (seq + 1) % _SEQ_MOD
         data = request_bytes(self.nonce, seq, self.config.padding)
-        # Stamped after encoding, right before the send: encoding (and a preemption
-        # during it) is not part of the round trip.
+        # Stamped after encoding and sent at once; the bookkeeping comes after the send
+        # (a reply is only read by a later timer tick): the stamp is the moment of the
+        # sendto, not of the Python work around it.
         send_ns = time.time_ns()
         stamp(data, send_ns)
+        try:
+            sock.sendto(data, peer.sockaddr)
+        except OSError as exc:  # unreachable, no route, buffer full: the probe is lost
+            failed: OSError | None = exc
+        else:
+            failed = None
         sent_at = self._clock()
         self._pending[seq] = _Pending(
             peer, send_ns, sent_at, sent_at + self.config.timeout_s, early=peer.alive is None
@@ -650,11 +668,11 @@ class Prober:
         peer.unanswered += 1
         peer.window.add_sent(seq, sent_at)
         self.counters["sent"] += 1
-        try:
-            sock.sendto(data, peer.sockaddr)
-        except OSError as exc:  # unreachable, no route, buffer full: the probe is lost
+        if failed is not None:
             self.counters["send_error"] += 1
-            self._log_once(f"send:{exc.errno}", "probe to %s failed: %s", peer.target.name, exc)
+            self._log_once(
+                f"send:{failed.errno}", "probe to %s failed: %s", peer.target.name, failed
+            )
             return
         peer.bytes_sent += len(data)
 
@@ -667,24 +685,37 @@ class Prober:
             log.exception("prober: on_change(%r, %r) failed", name, alive)
 
     # -- replies ---------------------------------------------------------------------
-    def _on_readable(self) -> None:
+    def _read_replies(self) -> None:
+        """Every reply queued since the last tick. The RTT is the kernel's receive stamp's,
+        so the read time costs it nothing; a reply's arrival (for liveness) is its stamp
+        too, as a monotonic time: ``now`` less how long it waited in the socket."""
         sock = self._sock
         if sock is None:
             return
+        clock, timer_error = self._clock, self.timer_error
         try:
             for data, addr, rx_ns in drain_timestamped(sock, MAX_PROBE_BYTES + 1, DRAIN):
                 user_ns = time.time_ns()
+                now = clock()
                 if rx_ns is None:
                     self.counters["no_kernel_ts"] += 1
                     rx_ns = user_ns
+                    arrived = now
                 else:
-                    self.timer_error.add(rx_ns, user_ns)
-                self._handle(data, addr, rx_ns, self._clock())
+                    timer_error.add(rx_ns, user_ns)
+                    arrived = now - min(max(user_ns - rx_ns, 0) / 1e9, MAX_WAIT_S)
+                self._handle(data, addr, rx_ns, now, arrived)
         except OSError as exc:
             self.counters["recv_error"] += 1
             self._log_once("recv", "prober: recvmsg failed: %s", exc)
 
-    def _handle(self, data: bytes, addr: object, rx_ns: int, now: float) -> None:
+    def _handle(
+        self, data: bytes, addr: object, rx_ns: int, now: float, arrived: float | None = None
+    ) -> None:
+        """One datagram read at ``now`` that reached the socket at ``arrived`` (default:
+        ``now``), both monotonic; ``rx_ns`` its kernel receive stamp (realtime)."""
+        if arrived is None:
+            arrived = now
         try:
             kind, nonce, seq, send_ns, turnaround_ns, _ = parse(data)
         except ProbeFormatError as exc:
@@ -707,7 +738,7 @@ class Prober:
                 and self._peers.get(peer.target.name) is peer
             ):
                 self._count("late", addr, f"a reply after timeout_s to seq {seq}")
-                self._replied(peer, now)
+                self._replied(peer, arrived)
             else:
                 self._count("unknown_seq", addr, f"a reply to seq {seq}, never sent")
             return
@@ -718,7 +749,7 @@ class Prober:
         peer = pending.peer
         peer.bytes_received += len(data)
         self._recent.add(seq, "done", peer)
-        self._replied(peer, now)
+        self._replied(peer, arrived)
         # Both stamps are CLOCK_REALTIME: a step between them (NTP) shows as a span the
         # monotonic clock does not agree with. A turnaround longer than the whole round
         # trip is a responder's lie.
@@ -736,7 +767,7 @@ class Prober:
             # estimate of an 80 ms tunnel).
             self.counters["early_reply"] += 1
             return
-        peer.window.add_reply(seq, rtt_ns / 1e6, now)
+        peer.window.add_reply(seq, rtt_ns / 1e6, arrived)
 
     def _replied(self, peer: _Peer, now: float) -> None:
         peer.last_reply = now
