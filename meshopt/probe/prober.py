@@ -102,6 +102,7 @@ import socket
 import sys
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,13 +276,16 @@ class _Pending:
 class _Recent:
     """Seqs that have an outcome: answered ("done") or timed out ("expired")."""
 
-    states: dict[int, tuple[str, _Peer]] = field(default_factory=dict)
+    # An OrderedDict: dropping the oldest is O(1) (a dict's first key is found by walking
+    # past the slots its earlier deletions left, up to a thousand at RECENT = 4096).
+    states: OrderedDict[int, tuple[str, _Peer]] = field(default_factory=OrderedDict)
 
     def add(self, seq: int, state: str, peer: _Peer) -> None:
-        self.states.pop(seq, None)
-        self.states[seq] = (state, peer)
-        if len(self.states) > RECENT:
-            del self.states[next(iter(self.states))]
+        states = self.states
+        states[seq] = (state, peer)
+        states.move_to_end(seq)
+        if len(states) > RECENT:
+            states.popitem(last=False)
 
 
 class Prober:
