@@ -203,8 +203,14 @@ def sh(*argv: str, input: str | None = None) -> None:
 
 
 def cpu_s(pid: int) -> float:
+    user, system = cpu_split_s(pid)
+    return user + system
+
+
+def cpu_split_s(pid: int) -> tuple[float, float]:
+    """(utime, stime) of all of ``pid``'s threads, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
 
 
 def status_kb(pid: int, key: str) -> float:
@@ -389,18 +395,23 @@ def one_run(args: argparse.Namespace, mode: str, index: int) -> dict[str, Any]:
         if agent.poll() is not None:
             raise RuntimeError(f"agent exited: {(tmp / 'agent.log').read_text()[-800:]}")
         c0 = json.loads(counters.read_text())
-        cpu0, wg0, t0 = cpu_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        (u0, k0), wg0, t0 = cpu_split_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        cpu0 = u0 + k0
+        # The event loop's thread: each voluntary switch is one sleep (a wake-up after it).
+        sw0 = status_kb(agent.pid, "voluntary_ctxt_switches")
         spy = None
         if args.py_spy:  # where the agent's CPU goes (py-spy samples from outside)
             out = f"{args.py_spy_out}.{mode}.{index}.txt"
             spy = subprocess.Popen(
                 [args.py_spy, "record", "-p", str(agent.pid), "-d", str(int(args.window)),
-                 "-r", "50", "-f", "raw", "-o", out],
+                 "-r", str(args.py_spy_rate), "-f", "raw", "-o", out],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
             procs.append(spy)
         time.sleep(args.window)
-        cpu1, wg1, t1 = cpu_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        (u1, k1), wg1, t1 = cpu_split_s(agent.pid), cpu_s(wg.pid), time.monotonic()
+        cpu1 = u1 + k1
+        sw1 = status_kb(agent.pid, "voluntary_ctxt_switches")
         if spy is not None:  # let it write its profile (stopped early, it writes none)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 spy.wait(20)
@@ -417,6 +428,9 @@ def one_run(args: argparse.Namespace, mode: str, index: int) -> dict[str, Any]:
             "peers": args.peers,
             "routes": len(route_set(keys, mode, 1).routes),
             "cpu_percent": 100.0 * (cpu1 - cpu0) / span,
+            "cpu_user_percent": 100.0 * (u1 - u0) / span,
+            "cpu_system_percent": 100.0 * (k1 - k0) / span,
+            "wakeups_per_s": (sw1 - sw0) / span,
             "rss_mb": rss,
             "rss_peak_mb": hwm,
             "window_s": span,
@@ -453,6 +467,9 @@ def summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         k: med(runs, k)
         for k in (
             "cpu_percent",
+            "cpu_user_percent",
+            "cpu_system_percent",
+            "wakeups_per_s",
             "rss_mb",
             "rss_peak_mb",
             "probes_per_s",
@@ -528,6 +545,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep each run's directory (logs)")
     p.add_argument("--py-spy", metavar="BINARY", help="profile the agent over the window")
     p.add_argument("--py-spy-out", default="agent-profile", help="profile file prefix")
+    p.add_argument("--py-spy-rate", type=int, default=50, help="py-spy samples per second")
     p.add_argument("--role", choices=("driver", "peers"), default="driver")
     p.add_argument("--keys-file", help=argparse.SUPPRESS)
     p.add_argument("--agent-address", help=argparse.SUPPRESS)

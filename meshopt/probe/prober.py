@@ -48,8 +48,10 @@ Every peer starts at the config's rate. :meth:`Prober.set_rates` gives peers the
 and the two-unanswered-probes rule above then apply per peer, with its own interval and
 dead time, and a peer whose rate changes counts silence afresh from probes sent at the
 new rate. A peer promoted to a faster class is probed at once. Slower peers' sends
-land on a 50 ms grid (one wake-up carries many probes) and the schedule is kept in
-heaps, so a wake-up costs O(log n) per due event rather than a walk over every peer.
+land on a 50 ms grid (one wake-up carries many probes), any tick also sends the probes
+due within ``COALESCE_S`` (15 ms) after it (early, never late, and never a peer twice
+in one tick), and the schedule is kept in heaps, so a wake-up costs O(log n) per due
+event rather than a walk over every peer.
 
 Timing
 ======
@@ -59,6 +61,14 @@ minus the responder's own turnaround (its kernel receive stamp to its ``sendto``
 carried in the reply). Without ancillary data the prober falls back to the time it
 read the reply and counts ``no_kernel_ts``. Scheduling, timeouts and liveness use
 ``time.monotonic()`` (``dead_since`` is a monotonic time).
+
+Replies are not read as they arrive (no reader on the socket, no wake-up per reply):
+they wait in the socket, kernel-stamped, and every timer tick (each send, each due
+death or timeout, and at least every ``STALL_TOLERANCE_S``) reads all of them before
+it judges anything. The RTT is the stamps', so the wait costs it nothing, and a reply
+counts for liveness from its stamp (as a monotonic time), not from when it was read.
+``timer_error`` is therefore how long replies waited to be read (up to a tick, by
+design): what a prober stamping replies in user space at these moments would add.
 
 Everything arrives on one dual-stack socket bound to ``[::]:0``. A reply whose nonce
 is not this prober's, whose seq was never sent (or belongs to a removed target), that
@@ -92,6 +102,7 @@ import socket
 import sys
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +128,10 @@ log = logging.getLogger("meshopt.probe")
 
 __all__ = ["PROBE_PORT", "ProbeConfig", "Prober", "Target"]
 
-DRAIN = 64  # datagrams read per wake-up before yielding to the loop
+DRAIN = 1024  # replies read per timer tick at most (the rest at the next one)
+# A reply read this long after its kernel stamp is taken as having arrived this long
+# before it was read, no earlier (a realtime clock step must not move liveness far).
+MAX_WAIT_S = 1.0
 RECENT = 4096  # answered or timed-out seqs remembered, to tell duplicates and late replies
 SLACK_S = 0.001  # a timer that fires this early still counts as due
 # A timer this late means the prober itself was not running (a stalled process or VM);
@@ -126,6 +140,10 @@ SLACK_S = 0.001  # a timer that fires this early still counts as due
 # while the prober waited for its next timer) is not credited.
 STALL_TOLERANCE_S = 0.1
 GRID_S = 0.05  # slower peers' sends land on this grid: a few wake-ups carry many probes
+# A tick also sends the probes due within this much after it (never more than a quarter
+# of the peer's interval early): one wake-up carries the sends that fall close together
+# instead of one each. Early only, never late: no dead time moves.
+COALESCE_S = 0.015
 _SEQ_MOD = 2**32
 
 
@@ -258,13 +276,16 @@ class _Pending:
 class _Recent:
     """Seqs that have an outcome: answered ("done") or timed out ("expired")."""
 
-    states: dict[int, tuple[str, _Peer]] = field(default_factory=dict)
+    # An OrderedDict: dropping the oldest is O(1) (a dict's first key is found by walking
+    # past the slots its earlier deletions left, up to a thousand at RECENT = 4096).
+    states: OrderedDict[int, tuple[str, _Peer]] = field(default_factory=OrderedDict)
 
     def add(self, seq: int, state: str, peer: _Peer) -> None:
-        self.states.pop(seq, None)
-        self.states[seq] = (state, peer)
-        if len(self.states) > RECENT:
-            del self.states[next(iter(self.states))]
+        states = self.states
+        states[seq] = (state, peer)
+        states.move_to_end(seq)
+        if len(states) > RECENT:
+            states.popitem(last=False)
 
 
 class Prober:
@@ -309,6 +330,7 @@ class Prober:
         self._timer: asyncio.TimerHandle | None = None
         self._wake_at: float | None = None  # when the armed timer is due
         self._logged: set[str] = set()
+        self.coalesce_s = COALESCE_S  # 0: every send in a tick of its own (tests)
 
     # -- life cycle ------------------------------------------------------------------
     async def start(self) -> None:
@@ -319,8 +341,9 @@ class Prober:
         except OSError as exc:
             raise InputError(f"prober cannot open its dual-stack UDP socket: {exc}") from exc
         self._loop = asyncio.get_running_loop()
+        # No reader on the socket: replies wait there, kernel-stamped, until the next
+        # timer tick reads them all (a wake-up per reply was a third of the agent's).
         self._sock = sock
-        self._loop.add_reader(sock.fileno(), self._on_readable)
         self._arm(self._clock())
 
     async def close(self) -> None:
@@ -328,8 +351,6 @@ class Prober:
             self._timer.cancel()
             self._timer = None
         if self._sock is not None:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
 
@@ -558,9 +579,10 @@ class Prober:
     def _on_timer(self) -> None:
         self._timer = None
         late = self._clock() - self._wake_at if self._wake_at is not None else 0.0
-        # Replies that arrived while this loop was late (a stall) are taken first, with
-        # their kernel stamps, so they count before any peer is judged.
-        self._on_readable()
+        # Replies are read here, before anything is judged: those that arrived since the
+        # last tick, and those that queued while this loop was late (a stall), with
+        # their kernel stamps.
+        self._read_replies()
         now = self._clock()
         if late > STALL_TOLERANCE_S:
             self._credit_stall(late, now)
@@ -616,12 +638,17 @@ class Prober:
             peer.dead_since = now
             self._notify(peer.target.name, False)
         sends = self._sends
-        while sends and sends[0][0] <= due:
-            at, _, peer = heapq.heappop(sends)
+        early = due + self.coalesce_s
+        while sends and sends[0][0] <= early:
+            at, _, peer = sends[0]
             if not self._current(peer) or peer.next_send != at:
+                heapq.heappop(sends)
                 continue
-            self._send(peer)
             interval = peer.rate.interval_s
+            if at > due and at > now + interval / 4:
+                break  # a fast peer is not probed twice in one tick
+            heapq.heappop(sends)
+            self._send(peer)
             peer.next_send += interval
             if peer.next_send <= now:  # fell behind (a stalled loop): no burst, same phase
                 peer.next_send += math.ceil((now - peer.next_send) / interval + 1e-9) * interval
@@ -636,10 +663,17 @@ class Prober:
         seq = self._next_seq
         self._next_seq = (seq + 1) % _SEQ_MOD
         data = request_bytes(self.nonce, seq, self.config.padding)
-        # Stamped after encoding, right before the send: encoding (and a preemption
-        # during it) is not part of the round trip.
+        # Stamped after encoding and sent at once; the bookkeeping comes after the send
+        # (a reply is only read by a later timer tick): the stamp is the moment of the
+        # sendto, not of the Python work around it.
         send_ns = time.time_ns()
         stamp(data, send_ns)
+        try:
+            sock.sendto(data, peer.sockaddr)
+        except OSError as exc:  # unreachable, no route, buffer full: the probe is lost
+            failed: OSError | None = exc
+        else:
+            failed = None
         sent_at = self._clock()
         self._pending[seq] = _Pending(
             peer, send_ns, sent_at, sent_at + self.config.timeout_s, early=peer.alive is None
@@ -650,11 +684,11 @@ class Prober:
         peer.unanswered += 1
         peer.window.add_sent(seq, sent_at)
         self.counters["sent"] += 1
-        try:
-            sock.sendto(data, peer.sockaddr)
-        except OSError as exc:  # unreachable, no route, buffer full: the probe is lost
+        if failed is not None:
             self.counters["send_error"] += 1
-            self._log_once(f"send:{exc.errno}", "probe to %s failed: %s", peer.target.name, exc)
+            self._log_once(
+                f"send:{failed.errno}", "probe to %s failed: %s", peer.target.name, failed
+            )
             return
         peer.bytes_sent += len(data)
 
@@ -667,24 +701,37 @@ class Prober:
             log.exception("prober: on_change(%r, %r) failed", name, alive)
 
     # -- replies ---------------------------------------------------------------------
-    def _on_readable(self) -> None:
+    def _read_replies(self) -> None:
+        """Every reply queued since the last tick. The RTT is the kernel's receive stamp's,
+        so the read time costs it nothing; a reply's arrival (for liveness) is its stamp
+        too, as a monotonic time: ``now`` less how long it waited in the socket."""
         sock = self._sock
         if sock is None:
             return
+        clock, timer_error = self._clock, self.timer_error
         try:
             for data, addr, rx_ns in drain_timestamped(sock, MAX_PROBE_BYTES + 1, DRAIN):
                 user_ns = time.time_ns()
+                now = clock()
                 if rx_ns is None:
                     self.counters["no_kernel_ts"] += 1
                     rx_ns = user_ns
+                    arrived = now
                 else:
-                    self.timer_error.add(rx_ns, user_ns)
-                self._handle(data, addr, rx_ns, self._clock())
+                    timer_error.add(rx_ns, user_ns)
+                    arrived = now - min(max(user_ns - rx_ns, 0) / 1e9, MAX_WAIT_S)
+                self._handle(data, addr, rx_ns, now, arrived)
         except OSError as exc:
             self.counters["recv_error"] += 1
             self._log_once("recv", "prober: recvmsg failed: %s", exc)
 
-    def _handle(self, data: bytes, addr: object, rx_ns: int, now: float) -> None:
+    def _handle(
+        self, data: bytes, addr: object, rx_ns: int, now: float, arrived: float | None = None
+    ) -> None:
+        """One datagram read at ``now`` that reached the socket at ``arrived`` (default:
+        ``now``), both monotonic; ``rx_ns`` its kernel receive stamp (realtime)."""
+        if arrived is None:
+            arrived = now
         try:
             kind, nonce, seq, send_ns, turnaround_ns, _ = parse(data)
         except ProbeFormatError as exc:
@@ -707,7 +754,7 @@ class Prober:
                 and self._peers.get(peer.target.name) is peer
             ):
                 self._count("late", addr, f"a reply after timeout_s to seq {seq}")
-                self._replied(peer, now)
+                self._replied(peer, arrived)
             else:
                 self._count("unknown_seq", addr, f"a reply to seq {seq}, never sent")
             return
@@ -718,7 +765,7 @@ class Prober:
         peer = pending.peer
         peer.bytes_received += len(data)
         self._recent.add(seq, "done", peer)
-        self._replied(peer, now)
+        self._replied(peer, arrived)
         # Both stamps are CLOCK_REALTIME: a step between them (NTP) shows as a span the
         # monotonic clock does not agree with. A turnaround longer than the whole round
         # trip is a responder's lie.
@@ -736,7 +783,7 @@ class Prober:
             # estimate of an 80 ms tunnel).
             self.counters["early_reply"] += 1
             return
-        peer.window.add_reply(seq, rtt_ns / 1e6, now)
+        peer.window.add_reply(seq, rtt_ns / 1e6, arrived)
 
     def _replied(self, peer: _Peer, now: float) -> None:
         peer.last_reply = now

@@ -18,7 +18,6 @@ Two kinds of figure:
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass
 
 from meshopt.estimate import (
@@ -150,7 +149,7 @@ class PeerWindow:
             loss=lost / outcomes if outcomes else 0.0,
             samples=len(rtts),
             rtt_min_ms=rtts[0] if rtts else None,
-            rtt_median_ms=statistics.median(rtts) if rtts else None,
+            rtt_median_ms=_median_of_sorted(rtts) if rtts else None,
             rtt_p95_ms=quantile(rtts, 0.95) if rtts else None,
             srtt_ms=est.srtt_ms,
             jitter_ms=est.rfc3550_ms(),
@@ -160,3 +159,10 @@ class PeerWindow:
             srtt_mean_ms=est.mean_ms,
             outliers=est.outliers,
         )
+
+
+def _median_of_sorted(ordered: list[float]) -> float:
+    """``statistics.median`` of values already sorted (it would sort them again)."""
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else (ordered[mid - 1] + ordered[mid]) / 2

@@ -124,9 +124,14 @@ def check_set_reply(reply: str, *, path: str | None = None) -> None:
 
 
 def _int(key: str, value: str, path: str | None, high: int = 2**64 - 1) -> int:
-    if not value.isdigit() or int(value) > high:
-        raise UapiError(f"bad value for {key}: {value[:30]!r}", path=path)
-    return int(value)
+    if value.isdigit():  # ASCII only: the reply was decoded as ASCII
+        n = int(value)
+        if n <= high:
+            return n
+    raise UapiError(f"bad value for {key}: {value[:30]!r}", path=path)
+
+
+_ZERO_HEX = "0" * 64
 
 
 def _key(key: str, value: str, path: str | None) -> str:
@@ -134,6 +139,24 @@ def _key(key: str, value: str, path: str | None) -> str:
         return key_from_hex(value)
     except KeyFormatError:
         raise UapiError(f"bad {key} in reply (not 64 hex digits)", path=path) from None
+
+
+# The same peers come back at every poll: their public keys' base64 form is remembered
+# (bounded like the AllowedIPs below; a 100-peer reply spent a fifth of its parsing on
+# keys). Public keys only: no secret is kept beyond the reading it came in.
+_public_keys: dict[str, str] = {}
+
+
+def _public_key(value: str, path: str | None) -> str:
+    try:
+        return _public_keys[value]
+    except KeyError:
+        pass
+    out = _key("public_key", value, path)
+    if len(_public_keys) >= MAX_REMEMBERED:
+        _public_keys.clear()
+    _public_keys[value] = out
+    return out
 
 
 class _PeerBuilder:
@@ -180,7 +203,7 @@ def parse_get(reply: str, *, path: str | None = None) -> InterfaceState:
         if key == "public_key":
             if peer is not None:
                 peers.append(peer.build())
-            peer = _PeerBuilder(_key(key, value, path))
+            peer = _PeerBuilder(_public_key(value, path))
         elif peer is None:
             if key == "private_key":
                 private_key = _key(key, value, path)
@@ -197,7 +220,8 @@ def parse_get(reply: str, *, path: str | None = None) -> InterfaceState:
         elif key == "persistent_keepalive_interval":
             peer.keepalive = _int(key, value, path, 65535)
         elif key == "preshared_key":
-            psk = _key(key, value, path)
+            # None for the all-zero key (no PSK, the usual case), checked before decoding
+            psk = None if value == _ZERO_HEX else _key(key, value, path)
             peer.psk = None if psk == ZERO_KEY else psk
         elif key == "last_handshake_time_sec":
             peer.sec = _int(key, value, path)

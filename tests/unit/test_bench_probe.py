@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.util
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -179,3 +180,17 @@ def test_mesh_yaml_is_a_topology_the_loader_accepts(tmp_path: Path) -> None:
 def test_main_refuses_bad_runs_before_touching_anything(capsys: pytest.CaptureFixture[str]) -> None:
     assert bp.main(["--runs", "0"]) == 2
     assert "--runs must be >= 1" in capsys.readouterr().err
+
+
+def test_pings_start_at_phases_of_their_own() -> None:
+    """Started together, the reference pings kept wireguard-go awake for each other and
+    read low (issue 14 item 7): each pair's ping starts at its own phase."""
+    phases = bp.ping_phases(3, 0.33)
+    assert phases[0] == 0.0 and len(set(phases)) == 3
+    assert all(0.1 <= b - a <= 0.12 for a, b in itertools.pairwise(phases))
+    assert phases[-1] < 0.33
+
+
+def test_agent_rtt_alone_is_a_phase() -> None:
+    args = bp.build_parser().parse_args(["--only", "agent_rtt", "--quick"])
+    assert args.only == ["agent_rtt"]

@@ -28,7 +28,7 @@ from meshopt.probe.budget import (
     route_use,
 )
 from meshopt.probe.packet import decode, encode, probe_bytes_per_s, reply_to
-from meshopt.probe.prober import GRID_S, ProbeConfig, Prober, Target
+from meshopt.probe.prober import COALESCE_S, GRID_S, ProbeConfig, Prober, Target
 from meshopt.probe.timestamps import open_udp_socket
 
 CFG = BudgetConfig()
@@ -259,6 +259,9 @@ class Harness:
             clock=lambda: self.now,
         )
         self.prober._sock = open_udp_socket("::", 0)  # sends without an event loop
+        # Each send in the tick it falls due in: these tests read the schedule itself
+        # (test_close_sends_share_a_tick covers the coalescing).
+        self.prober.coalesce_s = 0.0
 
     def close(self) -> None:
         assert self.prober._sock is not None
@@ -268,11 +271,15 @@ class Harness:
     def peers(self, *names: str) -> None:
         self.prober.set_targets(Target(n, "127.0.0.1") for n in names)
 
-    def run(self, seconds: float, step: float = 0.01) -> None:
-        """Advance the clock; at every step the timer's work, then replies to what came."""
+    def run(self, seconds: float, step: float = 0.01, *, timer: bool = False) -> None:
+        """Advance the clock; at every step the timer's work, then replies to what came.
+        ``timer``: step to when the prober's timer would fire next instead."""
         end = self.now + seconds
         while self.now < end - 1e-9:
-            self.now = round(self.now + step, 6)
+            if timer:
+                self.now = max(self.prober._next_wake(self.now), self.now + 1e-6)
+            else:
+                self.now = round(self.now + step, 6)
             self.prober._tick(self.now)
             for data in self._drain():
                 request = decode(data)
@@ -322,6 +329,41 @@ def test_without_a_budget_every_peer_is_probed_at_the_configured_rate(harness: H
     # not together: probes sent at once queue behind each other and read high
     assert abs(harness.sends("a")[0] - harness.sends("b")[0]) > 0.01
     assert harness.prober.probes_per_s() == pytest.approx(2 / 0.33)
+
+
+def test_close_sends_share_a_tick(harness: Harness) -> None:
+    """Probes due within COALESCE_S of a tick go out in it (one wake-up, not one each);
+    a probe is never sent late for it, and a peer never twice in one tick."""
+    prober = harness.prober
+    prober.coalesce_s = COALESCE_S
+    prober.nonce = bytes(8)  # fixed phases: names chosen by them
+    names = [f"p{i}" for i in range(400)]
+    at = {n: prober._phase(n) * 0.33 for n in names}
+    a, b = next(
+        (x, y)
+        for x, y in itertools.combinations(names, 2)
+        if 0.004 < at[y] - at[x] < COALESCE_S - 0.002 and at[x] > 0.02
+    )
+    c = next(n for n in names if min(abs(at[n] - at[a]), abs(at[n] - at[b])) > 0.05)
+    start = harness.now
+    harness.peers(a, b, c)
+    harness.run(3.0, timer=True)
+    sa, sb, sc = harness.sends(a), harness.sends(b), harness.sends(c)
+    assert len(sa) == len(sb) >= 9 and sa == sb  # b went out in a's ticks, early
+    assert not set(sc) & set(sa)
+    for name, sends in ((a, sa), (b, sb), (c, sc)):
+        due = [start + at[name] + k * 0.33 for k in range(len(sends))]
+        # never late, at most COALESCE_S early
+        assert all(-COALESCE_S - 1e-6 <= t - d <= 0.0011 for t, d in zip(sends, due, strict=True))
+
+
+def test_a_fast_peer_is_never_probed_twice_in_one_tick(harness: Harness) -> None:
+    harness.peers("x")
+    harness.prober.coalesce_s = COALESCE_S
+    harness.prober.set_rates({"x": Rate(IN_USE, 0.005, 0.02)})  # 5 ms: inside COALESCE_S
+    harness.run(1.0, timer=True)
+    sends = harness.sends("x")
+    assert len(sends) == len(set(sends)) and 190 <= len(sends) <= 201
 
 
 def test_idle_peers_are_probed_at_their_interval_on_the_grid(harness: Harness) -> None:

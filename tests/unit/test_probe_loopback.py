@@ -434,3 +434,42 @@ def test_a_failing_on_change_callback_does_not_stop_probing() -> None:
             responder.close()
 
     asyncio.run(main())
+
+
+def test_replies_wait_in_the_socket_for_the_timer_and_count_from_their_kernel_stamp() -> None:
+    """No wake-up per reply: the prober reads its socket at its timer ticks only. A reply
+    read late still counts as alive from when it arrived (its kernel stamp), so reading
+    on the timer moves no peer's dead time."""
+    now = [1000.0]
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("127.0.0.1", 0)
+        prober = Prober(ProbeConfig(port=responder.port), clock=lambda: now[0])
+        prober.set_targets([Target("peer", "127.0.0.1")])
+        await prober.start()
+        try:
+            loop = asyncio.get_running_loop()
+            assert prober._sock is not None
+            # nothing reads the socket between ticks (this would be True with a reader)
+            assert loop.remove_reader(prober._sock.fileno()) is False
+            assert prober._timer is not None
+            prober._timer.cancel()  # the test ticks by hand from here
+            prober._timer = None
+            now[0] += 0.34  # past the peer's phase: its first probe goes out
+            prober._tick(now[0])
+            assert prober.counters["sent"] >= 1
+            await until(lambda: responder.counters["echoed"] >= prober.counters["sent"])
+            await asyncio.sleep(0.25)  # the reply waits in the socket, unread
+            assert prober.alive("peer") is None
+            now[0] += 0.3
+            prober._read_replies()
+            peer = prober._peers["peer"]
+            assert prober.alive("peer") is True and peer.last_reply is not None
+            # arrived at least 0.25 s before it was read (the stamp), at most MAX_WAIT_S
+            assert 0.25 <= now[0] - peer.last_reply <= 1.0
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())

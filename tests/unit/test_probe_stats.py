@@ -142,3 +142,16 @@ def test_stats_asked_again_are_the_same_until_an_outcome_and_follow_every_send()
         # What it would compute now, asked of a window that never answered from memory.
         assert cached.stats() == fresh._compute()
         assert cached.stats() is cached.stats()
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+def test_window_median_is_statistics_median_exactly(n: int) -> None:
+    import random
+    import statistics
+
+    rng = random.Random(n)
+    w = PeerWindow(window=n)
+    rtts = [rng.uniform(1.0, 30.0) for _ in range(n)]
+    for seq, rtt in enumerate(rtts):
+        w.add_reply(seq, rtt, float(seq))
+    assert w.stats().rtt_median_ms == statistics.median(rtts)

@@ -125,6 +125,21 @@ def test_parse_get() -> None:
     assert st.peer(PEER) is a and st.peer_keys == {PEER, b.public_key}
 
 
+def test_a_second_poll_parses_the_same_and_keeps_no_secret() -> None:
+    """Public keys are remembered from one poll to the next (a bounded map), private and
+    preshared keys never: nothing secret outlives the reading it came in."""
+    from meshopt.wireguard import uapi
+
+    first, again = parse_get(GET_REPLY), parse_get(GET_REPLY)
+    assert first == again
+    assert uapi._public_keys[PEER_HEX] == PEER
+    remembered = set(uapi._public_keys) | set(uapi._public_keys.values())
+    assert not remembered & {PRIV_HEX, PRIV, PSK_HEX, PSK}
+    # a bad public key is still refused, remembered or not
+    with pytest.raises(UapiError, match="public_key"):
+        parse_get(GET_REPLY.replace(PEER_HEX, "zz" * 32))
+
+
 def test_parse_empty_device_and_unknown_keys() -> None:
     st = parse_get("listen_port=4242\njc=4\nerrno=0\n\n")
     assert st.listen_port == 4242 and st.private_key is None and st.public_key is None
