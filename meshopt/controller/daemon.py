@@ -42,6 +42,7 @@ from meshopt.bus.client import BusClient
 from meshopt.bus.signing import load_private_key
 from meshopt.controller.config import ControllerConfig
 from meshopt.controller.core import ControllerCore, Publish
+from meshopt.controller.engine import Computed
 
 log = logging.getLogger("meshopt.controller")
 
@@ -161,6 +162,9 @@ class Controller:
                 busy = compute is not None and not compute.done()
                 now, wall = self.clock(), self.wall()
                 self._send(self.core.housekeeping(now, wall, expire=not busy))
+                if self.core.urgent_due(wall):
+                    # Beside a recompute in progress, not behind it (issue 15).
+                    self._send(self.core.urgent_plan(now, wall))
                 if not busy and self.core.recompute_due(now, wall):
                     compute = asyncio.create_task(self._recompute(now, wall), name="recompute")
                 if compute is not None and compute.done():
@@ -189,14 +193,35 @@ class Controller:
         self.core.prompt = False
         self._computing = True
         started = time.perf_counter()
-        actions: list[Publish] = []
+        core = self.core
+        core.begin_recompute()
+        cpu = 0.0
+
+        def compute() -> tuple[Computed | None, float]:
+            t = time.thread_time()
+            try:
+                return core.compute(now), time.thread_time() - t
+            except Exception as exc:  # keep the routes agents have; try the next change
+                core.counters.count("recompute_failed", repr(exc), exc_info=exc)
+                return None, time.thread_time() - t
+
         try:
-            actions = await asyncio.to_thread(
-                self.core.recompute_now, now, wall, clear=False, signed=False
-            )
+            c, cpu = await asyncio.to_thread(compute)
+            # The rest on the loop: the urgent plans it ran meanwhile are applied again
+            # on top, in the loop's order (see ControllerCore.finish_recompute).
+            t = time.thread_time()
+            try:
+                actions = core.finish_recompute(c, now)
+            except Exception as exc:
+                core.counters.count("recompute_failed", repr(exc), exc_info=exc)
+                actions = []
+            cpu += time.thread_time() - t
             self.recompute_seconds.observe(time.perf_counter() - started)
             self._send(actions)  # the publishers start on them while the backlog drains
         finally:
+            core.abort_recompute()  # a no-op once finished
+            core.recomputed_at = now
+            core.recompute_cpu_s = cpu
             try:
                 await self._drain_deferred()
             finally:
@@ -225,6 +250,10 @@ class Controller:
             parsed = self.core.topics.parse(topic)
             if parsed is None or parsed[0] not in LIVE_KINDS:
                 self._deferred.append((topic, payload, retained))
+                # A failure in it is acted on now (the next tick's urgent plan), not
+                # after the recompute; the message itself is taken in turn.
+                if not retained:
+                    self.core.peek(topic, payload, self.clock(), self.wall())
                 return
         self._take(topic, payload, retained)
 

@@ -26,6 +26,7 @@ from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
 from meshopt.controller.core import CHANGED, REFRESH, URGENT, Publish
 from meshopt.controller.daemon import MAX_IN_FLIGHT, Controller
+from meshopt.controller.engine import Computed
 
 Handler = Callable[[str, bytes, bool], Awaitable[None]]
 
@@ -203,14 +204,14 @@ def test_the_loop_serves_the_broker_while_a_recompute_runs(tmp_path: Path) -> No
     core = rig.ctl.core
     release = threading.Event()
     entered = threading.Event()
-    real = core.recompute_now
+    real = core.compute
 
-    def held(now: float, wall: float, **kw: bool) -> list[Publish]:
+    def held(now: float) -> Computed | None:
         entered.set()
         release.wait(30.0)
-        return real(now, wall, **kw)
+        return real(now)
 
-    core.recompute_now = held  # type: ignore[method-assign]
+    core.compute = held  # type: ignore[method-assign]
 
     async def body() -> None:
         await _until(lambda: core.lease.role == "active")
