@@ -141,9 +141,14 @@ class _Base:
     dead: np.ndarray
     backup: IntArray | None
     bulk: IntArray | None
+    # The engine's best table and distances: shared with it (never written) until an
+    # urgent plan moves them, copied then.
+    best: IntArray | None
+    dist: FloatArray | None
     peers: dict[str, tuple[list[str], np.ndarray]]
     addresses: dict[str, list[str]]
     _keys: dict[int, dict[int, str]] = field(default_factory=dict)
+    _own_best: bool = False
 
     def key_for(self, s: int) -> dict[int, str]:
         """Node index -> the key node ``s`` knows it by (the last, as the engine does)."""
@@ -823,6 +828,8 @@ class ControllerCore:
             dead=~np.asarray(m.up, dtype=bool),
             backup=None if c.backup is None else c.backup.copy(),
             bulk=None if c.bulk_next_hop is None else c.bulk_next_hop.copy(),
+            best=c.best.next_hop,
+            dist=c.best.dist,
             peers=peers,
             addresses=addresses,
         )
@@ -860,7 +867,15 @@ class ControllerCore:
             relay_hop_ms=self.engine.relay_hop_ms,
             backup=base.backup,
             bulk=base.bulk,
+            best=base.best,
+            dist=base.dist,
         )
+        if fix.best_s.size and base.best is not None and base.dist is not None:
+            if not base._own_best:
+                base.best, base.dist = base.best.copy(), base.dist.copy()
+                base._own_best = True
+            base.best[fix.best_s, fix.best_d] = fix.best_hop
+            base.dist[fix.best_s, fix.best_d] = fix.best_dist
         return fix if fix.s.size or fix.bulk_s.size else None
 
     def _apply_fix(

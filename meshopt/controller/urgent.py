@@ -42,7 +42,7 @@ entries. Pure: arrays in, arrays out; no clock, no view.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -78,6 +78,11 @@ class UrgentFix:
     bulk_d: IntArray
     bulk_hop: IntArray
     affected: int = 0
+    # The best table's entries after the failure (for the next urgent plan's picture).
+    best_s: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    best_d: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    best_hop: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    best_dist: FloatArray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def rows(self) -> set[int]:
@@ -164,13 +169,19 @@ def urgent_fix(
     relay_hop_ms: float = 2.0,
     backup: IntArray | None = None,
     bulk: IntArray | None = None,
+    best: IntArray | None = None,
+    dist: FloatArray | None = None,
 ) -> UrgentFix:
     """The entries of ``next_hop`` (installed, n x n) to move now; see the module.
 
     ``cost``: link costs with the failure in them (inf: down; 0 on the diagonal), as
     ``Matrices.cost``; ``noise``: their standard deviations; ``bad``: links whose cost
     rose (a dead node's links included); ``dead``: nodes gone (no routes from or to
-    them are moved). ``backup``/``bulk``: the backup and bulk next hops handed out."""
+    them are moved). ``backup``/``bulk``: the backup and bulk next hops handed out.
+    ``best``/``dist``: the engine's best table before the failure and its (perturbed)
+    distances: given, a moved entry takes the best table's next hop after the failure
+    (repaired the same way), as the full pass's policy moves a failed entry; without,
+    the installed table stands in for it."""
     n = next_hop.shape[0]
     if n == 0 or not bad.any():
         return _empty()
@@ -186,6 +197,8 @@ def urgent_fix(
     hot = bad_hops(next_hop).any(axis=0)
     if bulk is not None:
         hot |= bad_hops(bulk).any(axis=0)
+    if best is not None:
+        hot |= bad_hops(best).any(axis=0)
     cols = np.flatnonzero(hot & alive)
     if cols.size == 0:
         return _empty()
@@ -196,33 +209,52 @@ def urgent_fix(
     keep = src != cols[jj]
     src, jj = src[keep], jj[keep]
     table = np.ascontiguousarray(next_hop[:, cols])
-    _, (cur_x, cur_p, cur_v), hit, _ = _walk(table, cols, src, jj, (exact, pert, var), bad)
-    aff = hit
+    _, (cur_x, cur_p, cur_v), aff, _ = _walk(table, cols, src, jj, (exact, pert, var), bad)
     es, ej = src[aff], jj[aff]
+    # The best table after the failure, on the hot columns: entries whose best path took
+    # a bad link get a min-plus step over the others' distances (still shortest: costs
+    # only rose, and their paths do not take a raised link), then Bellman-Ford among them.
+    dcols = np.full((n, m), np.inf)
+    if best is None or dist is None:
+        btab = table.copy()
+        dcols[src, jj] = cur_p
+        bs, bj = es, ej
+    else:
+        btab = np.ascontiguousarray(best[:, cols])
+        _, _, bhit, _ = _walk(btab, cols, src, jj, (), bad)
+        dcols[src, jj] = dist[src, cols[jj]]
+        bs, bj = src[bhit], jj[bhit]
+    dcols[cols, np.arange(m)] = 0.0
+    dcols[bs, bj] = np.inf
+    bhop = np.full(bs.size, NO_ROUTE, dtype=np.int64)
+    for _ in range(n + 1):
+        if bs.size == 0:
+            break
+        val, arg = _min_plus(pert, dcols, bs, bj)
+        better = val < dcols[bs, bj]
+        if not better.any():
+            break
+        dcols[bs[better], bj[better]] = val[better]
+        bhop[better] = arg[better]
+    bhop[~np.isfinite(dcols[bs, bj])] = NO_ROUTE
+    btab[bs, bj] = bhop
+    best_moves = (bs, bj, bhop, dcols[bs, bj])
     if es.size == 0:
         fix = _empty()
+        fix.best_s, fix.best_d, fix.best_hop, fix.best_dist = (
+            best_moves[0],
+            cols[best_moves[1]],
+            best_moves[2],
+            best_moves[3],
+        )
         if bulk is not None:
             fix.bulk_s, fix.bulk_d, fix.bulk_hop = _bulk_moves(bulk, table, cols, exact, src, jj)
         return fix
-    # Installed path values of the unaffected entries (perturbed weights); affected: inf.
-    dcols = np.full((n, m), np.inf)
-    dcols[src, jj] = cur_p
-    dcols[cols, np.arange(m)] = 0.0
-    dcols[es, ej] = np.inf
-    hop = np.full(es.size, NO_ROUTE, dtype=np.int64)
-    for _ in range(n + 1):
-        val, arg = _min_plus(pert, dcols, es, ej)
-        old = dcols[es, ej]
-        better = val < old
-        if not better.any():
-            break
-        dcols[es[better], ej[better]] = val[better]
-        hop[better] = arg[better]
-    hop[~np.isfinite(dcols[es, ej])] = NO_ROUTE
+    hop = btab[es, ej]
     cand = table.copy()
     cand[es, ej] = hop
-    # The policy's test on every affected entry: cost of the installed path and the new.
-    _, (new_x, new_v), _, _ = _walk(cand, cols, es, ej, (exact, var))
+    # The policy's test on every affected entry: the installed path's cost and the best's.
+    _, (new_x, new_v), _, _ = _walk(btab, cols, es, ej, (exact, var))
     old_x, old_v = cur_x[aff], cur_v[aff]
     broken = ~np.isfinite(old_x)
     moves = hop != table[es, ej]
@@ -273,6 +305,10 @@ def urgent_fix(
         bulk_d=np.zeros(0, dtype=np.int64),
         bulk_hop=np.zeros(0, dtype=np.int64),
         affected=int(es.size),
+        best_s=best_moves[0].astype(np.int64),
+        best_d=cols[best_moves[1]].astype(np.int64),
+        best_hop=best_moves[2].astype(np.int64),
+        best_dist=best_moves[3],
     )
     if bulk is not None:
         fix.bulk_s, fix.bulk_d, fix.bulk_hop = _bulk_moves(bulk, out, cols, exact, src, jj)
