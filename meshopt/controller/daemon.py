@@ -30,6 +30,7 @@ At 250 nodes a recompute takes seconds and a burst is 250 route sets of 84 kB (i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -37,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshopt import sdnotify
+from meshopt import memtrim, sdnotify
 from meshopt.bus.client import BusClient
 from meshopt.bus.signing import load_private_key
 from meshopt.controller.config import ControllerConfig
@@ -111,6 +112,9 @@ class Controller:
         self._computing = False
         self._deferred: list[tuple[str, bytes, bool]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recompute_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="recompute"
+        )
 
     async def _on_connect(self) -> None:
         for a in self.core.on_connect(self.wall()):
@@ -185,6 +189,7 @@ class Controller:
                     await t
             if metrics is not None:
                 await metrics.close()
+            self._recompute_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _recompute(self, now: float, wall: float) -> None:
         """One recompute in a worker thread; the loop keeps serving the broker meanwhile."""
@@ -204,9 +209,14 @@ class Controller:
             except Exception as exc:  # keep the routes agents have; try the next change
                 core.counters.count("recompute_failed", repr(exc), exc_info=exc)
                 return None, time.thread_time() - t
+            finally:
+                memtrim.trim()  # the pass's temporaries back to the OS (issue 15: RSS)
 
         try:
-            c, cpu = await asyncio.to_thread(compute)
+            # One thread for every recompute: one malloc arena holds their temporaries,
+            # not one per thread of the default executor.
+            loop = asyncio.get_running_loop()
+            c, cpu = await loop.run_in_executor(self._recompute_pool, compute)
             # The rest on the loop: the urgent plans it ran meanwhile are applied again
             # on top, in the loop's order (see ControllerCore.finish_recompute).
             t = time.thread_time()

@@ -317,7 +317,10 @@ def test_a_node_dying_during_a_held_recompute_is_routed_around_before_it_ends(
     hold = threading.Event()
     real = core.compute
 
+    threads: set[str] = set()
+
     def maybe_held(now: float) -> Computed | None:
+        threads.add(threading.current_thread().name)
         if hold.is_set():
             entered.set()
             release.wait(30.0)
@@ -379,3 +382,5 @@ def test_a_node_dying_during_a_held_recompute_is_routed_around_before_it_ends(
         asyncio.run(_run(rig, body))
     finally:
         release.set()
+    # Every recompute on the one thread kept for them (one malloc arena, issue 15).
+    assert len(threads) == 1 and next(iter(threads)).startswith("recompute"), threads
