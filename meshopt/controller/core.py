@@ -149,6 +149,7 @@ class _Base:
     addresses: dict[str, list[str]]
     _keys: dict[int, dict[int, str]] = field(default_factory=dict)
     _own_best: bool = False
+    _own_costs: bool = False
 
     def key_for(self, s: int) -> dict[int, str]:
         """Node index -> the key node ``s`` knows it by (the last, as the engine does)."""
@@ -823,8 +824,8 @@ class ControllerCore:
             names=list(c.names),
             index={n: i for i, n in enumerate(c.names)},
             next_hop=c.decision.installed.next_hop.copy(),
-            cost=m.cost.copy(),
-            noise=m.noise.copy(),
+            cost=m.cost,  # copied when a failure is written in (_apply_event)
+            noise=m.noise,
             dead=~np.asarray(m.up, dtype=bool),
             backup=None if c.backup is None else c.backup.copy(),
             bulk=None if c.bulk_next_hop is None else c.bulk_next_hop.copy(),
@@ -839,6 +840,9 @@ class ControllerCore:
         a = base.index.get(e.node)
         if a is None:
             return
+        if not base._own_costs:  # the last pass's matrices are its own: copy once
+            base.cost, base.noise = base.cost.copy(), base.noise.copy()
+            base._own_costs = True
         if e.link is None:
             base.cost[a, :] = np.inf
             base.cost[:, a] = np.inf
