@@ -194,11 +194,13 @@ def urgent_fix(
         out: BoolArray = (table >= 0) & bad[rows, np.where(table >= 0, table, 0)]
         return out
 
-    hot = bad_hops(next_hop).any(axis=0)
+    # Destinations some live node reaches over a bad link (a dead node's own rows, all
+    # bad, would make every column hot).
+    hot = bad_hops(next_hop)[alive].any(axis=0)
     if bulk is not None:
-        hot |= bad_hops(bulk).any(axis=0)
+        hot |= bad_hops(bulk)[alive].any(axis=0)
     if best is not None:
-        hot |= bad_hops(best).any(axis=0)
+        hot |= bad_hops(best)[alive].any(axis=0)
     cols = np.flatnonzero(hot & alive)
     if cols.size == 0:
         return _empty()
