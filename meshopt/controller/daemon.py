@@ -42,7 +42,7 @@ from meshopt import memtrim, sdnotify
 from meshopt.bus.client import BusClient
 from meshopt.bus.signing import load_private_key
 from meshopt.controller.config import ControllerConfig
-from meshopt.controller.core import ControllerCore, Publish
+from meshopt.controller.core import URGENT, ControllerCore, Publish
 from meshopt.controller.engine import Computed
 
 log = logging.getLogger("meshopt.controller")
@@ -169,7 +169,9 @@ class Controller:
                 if self.core.urgent_due(wall):
                     # Beside a recompute in progress, not behind it (issue 15).
                     self._send(self.core.urgent_plan(now, wall))
-                if not busy and self.core.recompute_due(now, wall):
+                # The full pass waits until the urgent sets have left the queue: it
+                # would take the GIL from the loop that signs and sends them.
+                if not busy and not self._urgent_waiting() and self.core.recompute_due(now, wall):
                     compute = asyncio.create_task(self._recompute(now, wall), name="recompute")
                 if compute is not None and compute.done():
                     compute.result()  # a bug in the shell must surface, not hide
@@ -288,6 +290,10 @@ class Controller:
         kind = (parsed[0] if parsed else "other", "ok" if ok else "failed")
         self.publishes[kind] = self.publishes.get(kind, 0) + 1
         self.core.published_ok(a, ok, self.clock())
+
+    def _urgent_waiting(self) -> bool:
+        """Urgent route sets queued and not yet taken by a publisher."""
+        return any(a.priority == URGENT for a in self.pending.values())
 
     def _next(self) -> Publish | None:
         """The most urgent waiting set of a node with none in flight (order kept within

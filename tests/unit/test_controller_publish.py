@@ -384,3 +384,17 @@ def test_a_node_dying_during_a_held_recompute_is_routed_around_before_it_ends(
         release.set()
     # Every recompute on the one thread kept for them (one malloc arena, issue 15).
     assert len(threads) == 1 and next(iter(threads)).startswith("recompute"), threads
+
+
+def test_a_full_pass_waits_while_urgent_sets_are_queued(tmp_path: Path) -> None:
+    """The urgent sets go out before a recompute takes the GIL from the loop: the tick
+    starts none while one waits in the queue; once taken by a publisher it may start."""
+    rig = Rig(tmp_path, 3, delay_s=0.0)
+    ctl = rig.ctl
+    ctl._send([Publish("t/a", b"a", True, node="a", priority=REFRESH)])
+    assert not ctl._urgent_waiting()
+    ctl._send([Publish("t/b", b"b", True, node="b", priority=URGENT)])
+    assert ctl._urgent_waiting()
+    taken = ctl._next()
+    assert taken is not None and taken.node == "b"
+    assert not ctl._urgent_waiting()
