@@ -211,8 +211,14 @@ def urgent_fix(
     keep = src != cols[jj]
     src, jj = src[keep], jj[keep]
     table = np.ascontiguousarray(next_hop[:, cols])
-    _, (cur_x, cur_p, cur_v), aff, _ = _walk(table, cols, src, jj, (exact, pert, var), bad)
-    es, ej = src[aff], jj[aff]
+    if best is None or dist is None:
+        _, (cur_x, cur_p, cur_v), aff, _ = _walk(table, cols, src, jj, (exact, pert, var), bad)
+        es, ej = src[aff], jj[aff]
+        cur_x, cur_v = cur_x[aff], cur_v[aff]
+    else:  # only the affected entries' path values are needed: walked again, alone
+        _, _, aff, _ = _walk(table, cols, src, jj, (), bad)
+        es, ej = src[aff], jj[aff]
+        _, (cur_x, cur_v), _, _ = _walk(table, cols, es, ej, (exact, var))
     # The best table after the failure, on the hot columns: entries whose best path took
     # a bad link get a min-plus step over the others' distances (still shortest: costs
     # only rose, and their paths do not take a raised link), then Bellman-Ford among them.
@@ -257,7 +263,7 @@ def urgent_fix(
     cand[es, ej] = hop
     # The policy's test on every affected entry: the installed path's cost and the best's.
     _, (new_x, new_v), _, _ = _walk(btab, cols, es, ej, (exact, var))
-    old_x, old_v = cur_x[aff], cur_v[aff]
+    old_x, old_v = cur_x, cur_v
     broken = ~np.isfinite(old_x)
     moves = hop != table[es, ej]
     # Path costs as the policy prices them: k hops pay k - 1 relay hops.
@@ -330,10 +336,14 @@ def _bulk_moves(
     then repaired until every moved walk arrives."""
     btab = np.ascontiguousarray(bulk[:, cols])
     ok, (x,), _, _ = _walk(btab, cols, src, jj, (exact,))
-    need = ~(ok & np.isfinite(x)) & (btab[src, jj] != fast[src, jj])
+    broken = ~(ok & np.isfinite(x))
+    need = broken & (btab[src, jj] != fast[src, jj])
     if not need.any():
         z = np.zeros(0, dtype=np.int64)
         return z, z, z
+    # A walk that was not broken visits no node whose walk was (it would share its
+    # end): only the broken entries can need repair.
+    src, jj, need = src[broken], jj[broken], need[broken]
     out = btab.copy()
     out[src[need], jj[need]] = fast[src[need], jj[need]]
     for _ in range(src.size + 1):
