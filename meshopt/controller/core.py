@@ -111,6 +111,13 @@ ROUTINE_SHARE = 0.05
 # and reading every one twice would cost more than it finds).
 LINK_JUMP = 1.5
 PEEK_MAX_BYTES = 16384
+# A mass failure is the full pass's: many nodes or links gone at once (a controller that
+# lagged and found a fifth of the mesh stale, a partition) moved tens of thousands of
+# entries in one urgent plan at 1000 nodes, 16 s on the loop, and the broker dropped the
+# controller for its missed keepalive. Past these counts (failures not yet covered by a
+# full pass) the urgent path stands aside until the next full pass has finished.
+URGENT_MAX_NODES = 8
+URGENT_MAX_LINKS = 64
 
 
 @dataclass
@@ -605,6 +612,8 @@ class ControllerCore:
         self._base = self._capture(c)
         self._hot = []
         moved: set[int] = set()
+        if self._mass_failure():
+            self._events.clear()  # those told meanwhile are in the view for the next pass
         if self._events and self._base is not None:
             base = self._base
             bad = np.zeros(base.next_hop.shape, dtype=bool)
@@ -746,6 +755,10 @@ class ControllerCore:
             self.counters.count("peek_internal_error", repr(exc), exc_info=exc)
         return False
 
+    def _mass_failure(self) -> bool:
+        nodes = sum(1 for e in self._events.values() if e.link is None)
+        return nodes > URGENT_MAX_NODES or len(self._events) - nodes > URGENT_MAX_LINKS
+
     def urgent_due(self, wall: float) -> bool:
         """Failures told that no urgent plan has acted on, and routes to act on."""
         return bool(self._hot) and self._base is not None and self.lease.may_publish(wall)
@@ -759,6 +772,10 @@ class ControllerCore:
         hot, self._hot = self._hot, []
         base = self._base
         if base is None or not hot:
+            return []
+        if self._mass_failure():
+            log.warning("urgent: %d failures at once: left to the full pass", len(self._events))
+            self._base = None  # its picture misses them: no urgent plan until that pass
             return []
         try:
             bad = np.zeros(base.next_hop.shape, dtype=bool)

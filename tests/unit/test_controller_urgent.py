@@ -18,7 +18,7 @@ from meshopt.bus.messages import AgentStatus, PeerReport, Route
 from meshopt.bus.signing import generate_signing_key, public_key_b64, sign
 from meshopt.controller import engine, urgent
 from meshopt.controller.config import ControllerConfig, Enrolment
-from meshopt.controller.core import URGENT, ControllerCore
+from meshopt.controller.core import URGENT, URGENT_MAX_NODES, ControllerCore
 from meshopt.policy import PolicyConfig
 from meshopt.routing.allpairs import compute_routes
 from meshopt.routing.tables import NO_ROUTE, IntArray
@@ -378,3 +378,22 @@ def test_no_urgent_path_before_a_full_pass_gave_it_a_picture() -> None:
     core.on_message(topic, will, False, rig.now, rig.wall)
     assert not core.urgent_due(rig.wall)
     assert core.urgent_plan(rig.now, rig.wall) == []
+
+
+def test_a_mass_failure_is_left_to_the_full_pass() -> None:
+    """Many nodes gone at once (a lagging controller finding a fifth of the mesh stale)
+    would cost the loop seconds: the urgent path stands aside until a full pass ends."""
+    rig = _fresh()
+    core = rig.core
+    for i in range(URGENT_MAX_NODES + 1):
+        topic, will = rig.will(20 + i)
+        core.on_message(topic, will, False, rig.now, rig.wall)
+    assert core.urgent_due(rig.wall)
+    assert core.urgent_plan(rig.now, rig.wall) == []
+    assert not core.urgent_due(rig.wall)  # no picture until the full pass
+    rig.now += 0.3
+    out = core.recompute_now(rig.now, rig.wall)
+    assert out and core._base is not None and not core._events
+    topic, will = rig.will(5)
+    core.on_message(topic, will, False, rig.now, rig.wall)
+    assert core.urgent_due(rig.wall)  # one more is urgent again
