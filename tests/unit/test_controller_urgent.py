@@ -397,3 +397,32 @@ def test_a_mass_failure_is_left_to_the_full_pass() -> None:
     topic, will = rig.will(5)
     core.on_message(topic, will, False, rig.now, rig.wall)
     assert core.urgent_due(rig.wall)  # one more is urgent again
+
+
+def test_a_change_report_read_ahead_tells_a_dead_link_and_a_heartbeat_nothing() -> None:
+    rig = _fresh()
+    core = rig.core
+    nh = rig.nh()
+    n = rig.mesh.n
+    a = 1
+    b = next(d for d in range(n) if d != a and nh[a, d] == d)  # a direct route of a's
+    topic = f"meshopt/{MESH}/telemetry/{rig.mesh.nodes[a].name}"
+    core.begin_recompute()
+    rig.now += 0.01
+    assert not core.peek(topic, rig.telemetry(a, [], full=False), rig.now, rig.wall)
+    dead = [_dead(p) for p in rig.peers[a] if p.public_key == rig.key(b)]
+    rig.now += 0.01
+    assert core.peek(topic, rig.telemetry(a, dead, full=False), rig.now, rig.wall)
+    assert core.urgent_due(rig.wall)
+    out = core.urgent_plan(rig.now, rig.wall)
+    mine = [p for p in out if p.node == rig.mesh.nodes[a].name]
+    assert mine
+    to_b = [r for r in mine[0].routes if r.table == "fast" and r.dst == rig.mesh.nodes[b].address]
+    assert to_b and to_b[0].via != rig.key(b)
+    core.abort_recompute()
+
+
+def _dead(p: PeerReport) -> PeerReport:
+    import msgspec
+
+    return msgspec.structs.replace(p, alive=False)
