@@ -24,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import math
 import time
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -48,12 +50,14 @@ from meshopt.bus.messages import (
     Route,
     RouteSet,
     Telemetry,
+    decode,
     tables_moved,
 )
 from meshopt.bus.signing import (
     KeyRing,
     key_id,
     sign,
+    unsigned_payload,
     verify_controller_status,
     verify_lease,
     verify_route_set,
@@ -62,9 +66,19 @@ from meshopt.bus.signing import (
 )
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
-from meshopt.controller.engine import Computed, RouteEngine, startup_policy
+from meshopt.controller.engine import DEGRADED_ABS_MS, Computed, RouteEngine, startup_policy
 from meshopt.controller.lease import LeaseKeeper, check_lease
-from meshopt.controller.view import MeshView, TelemetryRefused, warmed_up
+from meshopt.controller.urgent import UrgentFix, urgent_fix
+from meshopt.controller.view import (
+    MeshView,
+    TelemetryRefused,
+    _PeerArrays,
+    link_cost,
+    link_matrices,
+    usable_peer,
+    warmed_up,
+)
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray
 
 log = logging.getLogger("meshopt.controller")
 
@@ -92,6 +106,68 @@ URGENT, CHANGED, REFRESH = 0, 1, 2
 # next waits for the last one's CPU time / ROUTINE_SHARE after it began. Change reports,
 # statuses and snapshots that moved something still wait only ``debounce_s``.
 ROUTINE_SHARE = 0.05
+# The urgent path (see ``urgent_plan``): a link whose cost rose at least this factor and
+# DEGRADED_ABS_MS (or died) is a candidate; the entries over it move if the engine's
+# "far worse" holds for them. During a recompute, held telemetry is read ahead for such
+# links only up to this size (change reports; a full snapshot of 1000 peers is ~150 kB,
+# and reading every one twice would cost more than it finds).
+LINK_JUMP = 1.5
+PEEK_MAX_BYTES = 16384
+# A mass failure is the full pass's: many nodes or links gone at once (a controller that
+# lagged and found a fifth of the mesh stale, a partition) moved tens of thousands of
+# entries in one urgent plan at 1000 nodes, 16 s on the loop, and the broker dropped the
+# controller for its missed keepalive. Past these counts (failures not yet covered by a
+# full pass) the urgent path stands aside until the next full pass has finished.
+URGENT_MAX_NODES = 8
+URGENT_MAX_LINKS = 64
+
+
+@dataclass
+class _Event:
+    """A failure the urgent path acts on: a node gone (``link`` None) or a link whose
+    cost rose to ``cost``. ``in_view``: the message that told it was taken by the view
+    (a recompute started after that covers it)."""
+
+    id: int
+    node: str
+    link: str | None
+    cost: float
+    noise: float
+    in_view: bool
+    noted_at_pass: int = 0  # full passes finished when it was told
+
+
+@dataclass
+class _Base:
+    """What the urgent path works on: the last full pass's decision (copies) with the
+    urgent moves since then applied, and what building routes needs of the view then."""
+
+    names: list[str]
+    index: dict[str, int]
+    next_hop: IntArray
+    cost: FloatArray
+    noise: FloatArray
+    dead: np.ndarray
+    backup: IntArray | None
+    bulk: IntArray | None
+    # The engine's best table and distances: shared with it (never written) until an
+    # urgent plan moves them, copied then.
+    best: IntArray | None
+    dist: FloatArray | None
+    peers: dict[str, tuple[list[str], np.ndarray]]
+    addresses: dict[str, list[str]]
+    _keys: dict[int, dict[int, str]] = field(default_factory=dict)
+    _own_best: bool = False
+    _own_costs: bool = False
+
+    def key_for(self, s: int) -> dict[int, str]:
+        """Node index -> the key node ``s`` knows it by (the last, as the engine does)."""
+        out = self._keys.get(s)
+        if out is None:
+            keys, dst = self.peers.get(self.names[s], ([], np.zeros(0, dtype=np.intp)))
+            out = {int(i): k for k, i in zip(keys, dst.tolist(), strict=False) if i >= 0}
+            self._keys[s] = out
+        return out
 
 
 def _normal(prefix: str) -> str:
@@ -151,6 +227,17 @@ class ControllerCore:
         # What we published last per topic: the broker echoes it back to us, and our own
         # bytes need no signature check (a fifth of the core's CPU at 50 nodes).
         self._own: dict[str, tuple[bytes, RouteSet | Lease]] = {}
+        # The urgent path: failures not yet covered by a full pass, those no urgent plan
+        # has acted on yet, what it works on, and whether a full pass is under way (the
+        # engine is the worker thread's then: the urgent path leaves it alone).
+        self._events: dict[tuple[str, str | None], _Event] = {}
+        self._event_seq = 0
+        self._hot: list[tuple[str, str | None]] = []
+        self._base: _Base | None = None
+        self._busy = False
+        self._covering: set[int] = set()
+        self.urgent_plans = 0
+        self.urgent_moves = 0  # fast entries moved by the urgent path (metrics)
 
     def reconfigure(self, cfg: ControllerConfig, now: float) -> None:
         """A reload: enrolments, other controllers' keys, policy and timing take effect
@@ -287,6 +374,8 @@ class ControllerCore:
             self._tables[name] = t.table
         if changed:  # a heartbeat only keeps the node fresh: nothing to recompute
             self.mark_dirty(now, routine=routine)
+            if not routine:
+                self._link_events(name, t, in_view=True)
 
     def on_status(self, name: str, payload: bytes, now: float, wall: float) -> None:
         st = verify_status(payload, self._ring(name), mesh=self.cfg.mesh, node=name)
@@ -308,6 +397,7 @@ class ControllerCore:
         if self.view.set_offline(name, st.reason or "offline"):
             log.warning("node %s offline (%s): routing around it", name, st.reason)
             self.mark_dirty(now, urgent=True)
+            self._note(name, None, math.inf, 0.0, in_view=True)
 
     def _check_route_set(self, rs: RouteSet, wall: float) -> None:
         if rs.version > seq_ceiling(wall, self.cfg.max_skew_s):
@@ -380,6 +470,7 @@ class ControllerCore:
         if active and not was_active:
             log.info("controller %s active (term %d)", self.cfg.id, self.lease.term)
             self.engine.adopt(self.view, self.retained_sets, now)
+            self._base = None  # the next full pass gives the urgent path its picture
             self.published = {n: list(rs.routes) for n, rs in self.retained_sets.items()}
             self.intended = dict(self.published)
             out += self.on_connect(wall)
@@ -391,6 +482,7 @@ class ControllerCore:
             for name in self.view.expire(now):
                 log.warning("node %s: telemetry stale, routing around it", name)
                 self.mark_dirty(now, urgent=True)
+                self._note(name, None, math.inf, 0.0, in_view=True)
         return out
 
     def recompute_due(self, now: float, wall: float) -> bool:
@@ -449,9 +541,34 @@ class ControllerCore:
         """Recompute; the route sets that changed, not yet signed (empty payloads; the
         shell signs each with :meth:`sign_routes` just before sending it, so the most
         urgent set does not wait for 249 others to be signed, and a set replaced before
-        it went out is never signed), most urgent first."""
+        it went out is never signed), most urgent first.
+
+        In three steps, which the shell runs apart (the middle one in a worker thread,
+        the others on its loop): :meth:`begin_recompute`, :meth:`compute`,
+        :meth:`finish_recompute`."""
+        self.begin_recompute()
+        try:
+            c = self.compute(now)
+        except BaseException:
+            self.abort_recompute()
+            raise
+        return self.finish_recompute(c, now)
+
+    def begin_recompute(self) -> None:
+        """A full pass starts on the view as it is: the failures the view holds now are
+        covered by it; from here until it is finished the engine is its own."""
+        self._busy = True
+        self._covering = {e.id for e in self._events.values() if e.in_view}
+
+    def abort_recompute(self) -> None:
+        self._busy = False
+        self._covering = set()
+
+    def compute(self, now: float) -> Computed | None:
+        """The full pass itself (engine and view only, no other core state: the shell
+        runs it in a worker thread while the loop may run urgent plans)."""
         if not self.view.nodes:
-            return []
+            return None
         policy = startup_policy(
             self.engine.policy,
             self.view.first_seen,
@@ -459,9 +576,26 @@ class ControllerCore:
             self.cfg.startup_s,
             self.cfg.startup_hold_s,
         )
-        c = self.engine.compute(self.view, now, policy)
-        self.last = c
+        return self.engine.compute(self.view, now, policy)
+
+    def finish_recompute(self, c: Computed | None, now: float) -> list[Publish]:
+        """The route sets a full pass changed, with the failures it does not cover (told
+        while it ran) moved again on top of it: a pass that began before a node died
+        must not undo the urgent plan that routed around it."""
+        covered, self._covering = self._covering, set()
+        self._busy = False
+        if c is None:
+            return []
         self.recomputes += 1
+        # Covered: in the view when this pass began. One read ahead whose message never
+        # reached the view (refused when taken) is let go two passes on.
+        for key in [
+            k
+            for k, e in self._events.items()
+            if e.id in covered or (not e.in_view and self.recomputes - e.noted_at_pass > 2)
+        ]:
+            del self._events[key]
+        self.last = c
         for node, reason in c.errors.items():
             self.counters.count("routes_unbuildable", f"{node}: {reason}")
         changed = int(c.decision.changed.sum())
@@ -473,16 +607,36 @@ class ControllerCore:
                 int(c.decision.failed.sum()),
                 int(c.decision.improved.sum()),
             )
-        out: list[Publish] = []
         index = {n: i for i, n in enumerate(c.names)}
         urgent = c.decision.failed if c.degraded is None else c.decision.failed | c.degraded
         failed_rows = np.asarray(urgent.any(axis=1))
         changed_rows = np.asarray(c.decision.changed.any(axis=1))
+        self._base = self._capture(c)
+        self._hot = []
+        moved: set[int] = set()
+        if self._mass_failure():
+            self._events.clear()  # those told meanwhile are in the view for the next pass
+        if self._events and self._base is not None:
+            base = self._base
+            bad = np.zeros(base.next_hop.shape, dtype=bool)
+            for e in self._events.values():
+                self._apply_event(base, e, bad)
+            fix = self._fix(base, bad)
+            if fix is not None:
+                moved = self._apply_fix(base, fix, now, c.routes, engine=True)
+                log.info(
+                    "routes: %d entries moved again for %d failures told during the recompute",
+                    fix.s.size,
+                    len(self._events),
+                )
+        out: list[Publish] = []
         for node, routes in c.routes.items():
             if self.intended.get(node) == routes:
                 continue
             i = index[node]
-            prio = URGENT if failed_rows[i] else CHANGED if changed_rows[i] else REFRESH
+            prio = (
+                URGENT if failed_rows[i] or i in moved else CHANGED if changed_rows[i] else REFRESH
+            )
             self.intended[node] = routes
             out.append(
                 Publish(
@@ -495,6 +649,324 @@ class ControllerCore:
                 )
             )
         out.sort(key=lambda p: p.priority)  # stable: node order within a class
+        return out
+
+    # --- the urgent path ----------------------------------------------------------------
+
+    def _note(
+        self, node: str, link: str | None, cost: float, noise: float, *, in_view: bool
+    ) -> bool:
+        """A failure told (a node gone, or its link to ``link`` far worse); True if it is
+        news for the urgent path."""
+        key = (node, link)
+        e = self._events.get(key)
+        if e is not None:
+            e.in_view = e.in_view or in_view
+            if cost <= e.cost:
+                return False
+            e.cost, e.noise = cost, noise
+        else:
+            self._event_seq += 1
+            self._events[key] = _Event(
+                self._event_seq, node, link, cost, noise, in_view, self.recomputes
+            )
+        if key not in self._hot:
+            self._hot.append(key)
+        return True
+
+    def _link_events(self, name: str, t: Telemetry, *, in_view: bool) -> bool:
+        """Links of ``name`` this telemetry reports dead, or far costlier than the last
+        full pass (and urgent moves since) priced them: noted for the urgent path."""
+        base = self._base
+        if base is None or self.cfg.symmetric:
+            return False
+        a = base.index.get(name)
+        if a is None:
+            return False
+        metric = self.view.metric
+        keys: list[str] = []
+        costs: list[float] = []
+        sds: list[float] = []
+        if t.table is not None and len(t.table):
+            arr = _PeerArrays.of_table(t.table)
+            cs, ss, _ = link_matrices(
+                metric, arr.rtt, arr.jitter, arr.loss, arr.noise, arr.samples, arr.sent,
+                arr.alive == 0, np.zeros(len(arr.keys)),
+            )  # fmt: skip
+            keys += arr.keys
+            costs += cs.tolist()
+            sds += ss.tolist()
+        for p in t.peers:
+            c1, sd1 = link_cost(usable_peer(p)[0], metric, 0.0)
+            keys.append(p.public_key)
+            costs.append(c1)
+            sds.append(sd1)
+        owner = self.view._key_owner
+        news = False
+        for key, cost, sd in zip(keys, costs, sds, strict=True):
+            peer = owner.get(key)
+            b = base.index.get(peer) if peer is not None else None
+            if peer is None or b is None or b == a:
+                continue
+            if (name, peer) in self._events:  # told before (read ahead): now in the view
+                news = self._note(name, peer, cost, sd, in_view=in_view) or news
+                continue
+            old = float(base.cost[a, b])
+            if not math.isfinite(old) or cost <= old:
+                continue
+            if math.isinf(cost) or (cost >= old + DEGRADED_ABS_MS and cost >= old * LINK_JUMP):
+                news = self._note(name, peer, cost, sd, in_view=in_view) or news
+        return news
+
+    def peek(self, topic: str, payload: bytes, now: float, wall: float) -> bool:
+        """Read a message held during a recompute for failures only (the view and every
+        sequence stay as they are: the message is taken in turn later). True if it told
+        the urgent path something new. Never raises."""
+        if self._base is None or not payload:
+            return False
+        parsed = self.topics.parse(topic)
+        if parsed is None:
+            return False
+        kind, name = parsed
+        try:
+            own = self._own.get(topic)
+            if own is not None and own[0] == payload:
+                return False
+            if kind == "status":
+                st = verify_status(payload, self._ring(name), mesh=self.cfg.mesh, node=name)
+                check_time(st.since, wall, max_skew_s=self.cfg.max_skew_s, max_age_s=None)
+                if st.online or st.seq > seq_ceiling(wall, self.cfg.max_skew_s):
+                    return False
+                current = max(self.status_seq.get(name) or 0, self.session.get(name, 0))
+                info = self.view.nodes.get(name)
+                if st.seq < current or info is None or not info.online:
+                    return False
+                return self._note(name, None, math.inf, 0.0, in_view=False)
+            if kind == "telemetry" and len(payload) <= PEEK_MAX_BYTES:
+                # A heartbeat (no peers) tells nothing: seen unverified, not verified (at
+                # 1000 nodes 200 a second, on the loop a recompute starves).
+                pre = decode(unsigned_payload(payload, "telemetry"), Telemetry)
+                if not pre.peers and (pre.table is None or not len(pre.table)):
+                    return False
+                t = verify_telemetry(payload, self._ring(name), mesh=self.cfg.mesh, node=name)
+                check_time(t.sent_at, wall, max_skew_s=self.cfg.max_skew_s, max_age_s=MAX_AGE_S)
+                self.telemetry_seq.check(name, t.seq, wall)
+                self._check_pins(t)
+                info = self.view.nodes.get(name)
+                if info is None or not info.online or t.sent_at <= info.sent_at:
+                    return False
+                return self._link_events(name, t, in_view=False)
+        except (BusMessageError, TelemetryRefused):
+            return False  # counted when it is taken
+        except Exception as exc:  # a bug here must cost one look-ahead, not the controller
+            self.counters.count("peek_internal_error", repr(exc), exc_info=exc)
+        return False
+
+    def _mass_failure(self) -> bool:
+        nodes = sum(1 for e in self._events.values() if e.link is None)
+        return nodes > URGENT_MAX_NODES or len(self._events) - nodes > URGENT_MAX_LINKS
+
+    def urgent_due(self, wall: float) -> bool:
+        """Failures told that no urgent plan has acted on, and routes to act on."""
+        return bool(self._hot) and self._base is not None and self.lease.may_publish(wall)
+
+    def urgent_plan(self, now: float, wall: float) -> list[Publish]:
+        """The route sets of the nodes whose installed paths the new failures broke (or
+        made far worse), moved now on the last full pass's picture; everything else
+        (backups, bulk paths and settings, improvements) waits for the full pass. Runs
+        beside a full pass in progress (it leaves the engine alone then; the pass's end
+        moves the same entries again). Never raises."""
+        hot, self._hot = self._hot, []
+        base = self._base
+        if base is None or not hot:
+            return []
+        if self._mass_failure():
+            log.warning("urgent: %d failures at once: left to the full pass", len(self._events))
+            self._base = None  # its picture misses them: no urgent plan until that pass
+            return []
+        try:
+            bad = np.zeros(base.next_hop.shape, dtype=bool)
+            for key in hot:
+                e = self._events.get(key)
+                if e is not None:
+                    self._apply_event(base, e, bad)
+            fix = self._fix(base, bad)
+            if fix is None:
+                return []
+            routes = {n: self.intended[n] for n in (base.names[s] for s in fix.rows)
+                      if n in self.intended}  # fmt: skip
+            moved = self._apply_fix(base, fix, now, routes, engine=not self._busy)
+        except Exception as exc:  # the full pass still comes
+            self.counters.count("urgent_failed", repr(exc), exc_info=exc)
+            return []
+        self.urgent_plans += 1
+        self.urgent_moves += int(fix.s.size)
+        out: list[Publish] = []
+        for s in sorted(moved):
+            node = base.names[s]
+            new = routes.get(node)
+            if new is None or self.intended.get(node) == new:
+                continue
+            self.intended[node] = new
+            out.append(
+                Publish(
+                    self.topics.routes(node),
+                    b"",
+                    True,
+                    node=node,
+                    routes=tuple(new),
+                    priority=URGENT,
+                )
+            )
+        log.info(
+            "urgent: %d entries of %d nodes moved off %d failures (%d affected)",
+            fix.s.size,
+            len(out),
+            len(hot),
+            fix.affected,
+        )
+        return out
+
+    def _capture(self, c: Computed) -> _Base | None:
+        """The urgent path's picture after a full pass (copies: the engine's arrays are
+        its own); None in symmetric mode, where the full pass does everything."""
+        if self.cfg.symmetric or not c.names:
+            return None
+        m = c.matrices
+        peers: dict[str, tuple[list[str], np.ndarray]] = {}
+        addresses: dict[str, list[str]] = {}
+        for name in c.names:
+            info = self.view.nodes.get(name)
+            if info is None:
+                continue
+            addresses[name] = info.addresses
+            if info.online:
+                a = info.arrays()
+                if a.dst is not None:
+                    peers[name] = (a.keys, a.dst)
+        return _Base(
+            names=list(c.names),
+            index={n: i for i, n in enumerate(c.names)},
+            next_hop=c.decision.installed.next_hop.copy(),
+            cost=m.cost,  # copied when a failure is written in (_apply_event)
+            noise=m.noise,
+            dead=~np.asarray(m.up, dtype=bool),
+            backup=None if c.backup is None else c.backup.copy(),
+            bulk=None if c.bulk_next_hop is None else c.bulk_next_hop.copy(),
+            best=c.best.next_hop,
+            dist=c.best.dist,
+            peers=peers,
+            addresses=addresses,
+        )
+
+    @staticmethod
+    def _apply_event(base: _Base, e: _Event, bad: np.ndarray) -> None:
+        a = base.index.get(e.node)
+        if a is None:
+            return
+        if not base._own_costs:  # the last pass's matrices are its own: copy once
+            base.cost, base.noise = base.cost.copy(), base.noise.copy()
+            base._own_costs = True
+        if e.link is None:
+            base.cost[a, :] = np.inf
+            base.cost[:, a] = np.inf
+            base.cost[a, a] = 0.0
+            base.dead[a] = True
+            bad[a, :] = True
+            bad[:, a] = True
+            return
+        b = base.index.get(e.link)
+        if b is None or a == b:
+            return
+        base.cost[a, b] = max(float(base.cost[a, b]), e.cost)
+        base.noise[a, b] = e.noise
+        bad[a, b] = True
+
+    def _fix(self, base: _Base, bad: np.ndarray) -> UrgentFix | None:
+        if not bad.any():
+            return None
+        fix = urgent_fix(
+            base.next_hop,
+            base.cost,
+            base.noise,
+            bad,
+            base.dead,
+            self.engine.policy,
+            relay_hop_ms=self.engine.relay_hop_ms,
+            backup=base.backup,
+            bulk=base.bulk,
+            best=base.best,
+            dist=base.dist,
+        )
+        if fix.best_s.size and base.best is not None and base.dist is not None:
+            if not base._own_best:
+                base.best, base.dist = base.best.copy(), base.dist.copy()
+                base._own_best = True
+            base.best[fix.best_s, fix.best_d] = fix.best_hop
+            base.dist[fix.best_s, fix.best_d] = fix.best_dist
+        return fix if fix.s.size or fix.bulk_s.size else None
+
+    def _apply_fix(
+        self,
+        base: _Base,
+        fix: UrgentFix,
+        now: float,
+        routes: dict[str, list[Route]],
+        *,
+        engine: bool,
+    ) -> set[int]:
+        """Move ``fix``'s entries in ``base`` (and, ``engine``, in the engine's state, so
+        the next full pass starts from what agents have), and in ``routes`` (node ->
+        its route list, replaced by the moved one). The rows whose routes changed."""
+        base.next_hop[fix.s, fix.d] = fix.hop
+        if base.backup is not None:
+            base.backup[fix.s, fix.d] = fix.backup
+        if base.bulk is not None:
+            base.bulk[fix.bulk_s, fix.bulk_d] = fix.bulk_hop
+        eng = self.engine
+        if engine and eng.installed is not None and eng.names == base.names:
+            inst = eng.installed
+            inst.next_hop[fix.s, fix.d] = fix.hop
+            # A forced move is not held (as the engine does with failed entries); a move
+            # off a far worse path is a choice the hold protects.
+            inst.since[fix.s, fix.d] = np.where(fix.failed, -np.inf, now)
+            if inst.better_since is not None:
+                inst.better_since[fix.s, fix.d] = np.nan
+            if eng._backup is not None and eng._backup.shape == base.next_hop.shape:
+                eng._backup[fix.s, fix.d] = fix.backup
+            if eng._bulk is not None and eng._bulk.shape == base.next_hop.shape:
+                eng._bulk[fix.bulk_s, fix.bulk_d] = fix.bulk_hop
+        fast: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        for s, d, h, b in zip(
+            fix.s.tolist(), fix.d.tolist(), fix.hop.tolist(), fix.backup.tolist(), strict=True
+        ):
+            fast[s].append((d, h, b))
+        bulk: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for s, d, h in zip(fix.bulk_s.tolist(), fix.bulk_d.tolist(), fix.bulk_hop.tolist(),
+                           strict=True):  # fmt: skip
+            bulk[s].append((d, h))
+        out: set[int] = set()
+        for s in fix.rows:
+            node = base.names[s]
+            old = routes.get(node)
+            if old is None:
+                continue
+            keys = base.key_for(s)
+            pf: dict[str, Route | None] = {}
+            for d, h, b in fast.get(s, []):
+                via = keys.get(h) if h != NO_ROUTE else None
+                bk = keys.get(b) if b != NO_ROUTE else None
+                for addr in base.addresses.get(base.names[d], []):
+                    pf[addr] = None if via is None else Route(dst=addr, via=via, backup=bk)
+            pb: dict[str, Route | None] = {}
+            for d, h in bulk.get(s, []):
+                via = keys.get(h) if h != NO_ROUTE else None
+                for addr in base.addresses.get(base.names[d], []):
+                    pb[addr] = None if via is None else Route(dst=addr, via=via, table="bulk")
+            new = _patched(old, pf, pb)
+            if new != old:
+                routes[node] = new
+                out.add(s)
         return out
 
     def sign_routes(self, a: Publish, wall: float) -> Publish | None:
@@ -538,3 +1010,26 @@ class ControllerCore:
             if self.intended.get(action.node) == list(action.routes):
                 self.intended.pop(action.node, None)
             self.mark_dirty(now)
+
+
+def _patched(
+    old: list[Route], fast: dict[str, Route | None], bulk: dict[str, Route | None]
+) -> list[Route]:
+    """``old`` with the fast and bulk routes to the given prefixes replaced (None: left
+    out), in place; routes to prefixes it had none for at the end."""
+    out: list[Route] = []
+    seen: set[tuple[str, str]] = set()
+    for r in old:
+        patch = fast if r.table == "fast" else bulk
+        if r.dst in patch:
+            seen.add((r.table, r.dst))
+            new = patch[r.dst]
+            if new is not None:
+                out.append(new)
+        else:
+            out.append(r)
+    for table, patch in (("fast", fast), ("bulk", bulk)):
+        for dst, new in patch.items():
+            if (table, dst) not in seen and new is not None:
+                out.append(new)
+    return out

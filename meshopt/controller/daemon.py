@@ -30,6 +30,7 @@ At 250 nodes a recompute takes seconds and a burst is 250 route sets of 84 kB (i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -37,11 +38,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from meshopt import sdnotify
+from meshopt import memtrim, sdnotify
 from meshopt.bus.client import BusClient
 from meshopt.bus.signing import load_private_key
 from meshopt.controller.config import ControllerConfig
-from meshopt.controller.core import ControllerCore, Publish
+from meshopt.controller.core import URGENT, ControllerCore, Publish
+from meshopt.controller.engine import Computed
 
 log = logging.getLogger("meshopt.controller")
 
@@ -110,6 +112,9 @@ class Controller:
         self._computing = False
         self._deferred: list[tuple[str, bytes, bool]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recompute_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="recompute"
+        )
 
     async def _on_connect(self) -> None:
         for a in self.core.on_connect(self.wall()):
@@ -161,7 +166,12 @@ class Controller:
                 busy = compute is not None and not compute.done()
                 now, wall = self.clock(), self.wall()
                 self._send(self.core.housekeeping(now, wall, expire=not busy))
-                if not busy and self.core.recompute_due(now, wall):
+                if self.core.urgent_due(wall):
+                    # Beside a recompute in progress, not behind it (issue 15).
+                    self._send(self.core.urgent_plan(now, wall))
+                # The full pass waits until the urgent sets have left the queue: it
+                # would take the GIL from the loop that signs and sends them.
+                if not busy and not self._urgent_waiting() and self.core.recompute_due(now, wall):
                     compute = asyncio.create_task(self._recompute(now, wall), name="recompute")
                 if compute is not None and compute.done():
                     compute.result()  # a bug in the shell must surface, not hide
@@ -181,6 +191,7 @@ class Controller:
                     await t
             if metrics is not None:
                 await metrics.close()
+            self._recompute_pool.shutdown(wait=False, cancel_futures=True)
 
     async def _recompute(self, now: float, wall: float) -> None:
         """One recompute in a worker thread; the loop keeps serving the broker meanwhile."""
@@ -189,14 +200,40 @@ class Controller:
         self.core.prompt = False
         self._computing = True
         started = time.perf_counter()
-        actions: list[Publish] = []
+        core = self.core
+        core.begin_recompute()
+        cpu = 0.0
+
+        def compute() -> tuple[Computed | None, float]:
+            t = time.thread_time()
+            try:
+                return core.compute(now), time.thread_time() - t
+            except Exception as exc:  # keep the routes agents have; try the next change
+                core.counters.count("recompute_failed", repr(exc), exc_info=exc)
+                return None, time.thread_time() - t
+            finally:
+                memtrim.trim()  # the pass's temporaries back to the OS (issue 15: RSS)
+
         try:
-            actions = await asyncio.to_thread(
-                self.core.recompute_now, now, wall, clear=False, signed=False
-            )
+            # One thread for every recompute: one malloc arena holds their temporaries,
+            # not one per thread of the default executor.
+            loop = asyncio.get_running_loop()
+            c, cpu = await loop.run_in_executor(self._recompute_pool, compute)
+            # The rest on the loop: the urgent plans it ran meanwhile are applied again
+            # on top, in the loop's order (see ControllerCore.finish_recompute).
+            t = time.thread_time()
+            try:
+                actions = core.finish_recompute(c, now)
+            except Exception as exc:
+                core.counters.count("recompute_failed", repr(exc), exc_info=exc)
+                actions = []
+            cpu += time.thread_time() - t
             self.recompute_seconds.observe(time.perf_counter() - started)
             self._send(actions)  # the publishers start on them while the backlog drains
         finally:
+            core.abort_recompute()  # a no-op once finished
+            core.recomputed_at = now
+            core.recompute_cpu_s = cpu
             try:
                 await self._drain_deferred()
             finally:
@@ -225,6 +262,10 @@ class Controller:
             parsed = self.core.topics.parse(topic)
             if parsed is None or parsed[0] not in LIVE_KINDS:
                 self._deferred.append((topic, payload, retained))
+                # A failure in it is acted on now (the next tick's urgent plan), not
+                # after the recompute; the message itself is taken in turn.
+                if not retained:
+                    self.core.peek(topic, payload, self.clock(), self.wall())
                 return
         self._take(topic, payload, retained)
 
@@ -249,6 +290,10 @@ class Controller:
         kind = (parsed[0] if parsed else "other", "ok" if ok else "failed")
         self.publishes[kind] = self.publishes.get(kind, 0) + 1
         self.core.published_ok(a, ok, self.clock())
+
+    def _urgent_waiting(self) -> bool:
+        """Urgent route sets queued and not yet taken by a publisher."""
+        return any(a.priority == URGENT for a in self.pending.values())
 
     def _next(self) -> Publish | None:
         """The most urgent waiting set of a node with none in flight (order kept within

@@ -19,13 +19,23 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.bench.synthetic import CONTROLLER_ID, MESH, SyntheticMesh
-from meshopt.bus.signing import generate_signing_key, public_key_b64, save_private_key
+from meshopt.bus.messages import AgentStatus, RouteSet
+from meshopt.bus.signing import (
+    generate_signing_key,
+    public_key_b64,
+    save_private_key,
+    sign,
+    verify_route_set,
+)
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
 from meshopt.controller.core import CHANGED, REFRESH, URGENT, Publish
 from meshopt.controller.daemon import MAX_IN_FLIGHT, Controller
+from meshopt.controller.engine import Computed
 
 Handler = Callable[[str, bytes, bool], Awaitable[None]]
 
@@ -203,14 +213,14 @@ def test_the_loop_serves_the_broker_while_a_recompute_runs(tmp_path: Path) -> No
     core = rig.ctl.core
     release = threading.Event()
     entered = threading.Event()
-    real = core.recompute_now
+    real = core.compute
 
-    def held(now: float, wall: float, **kw: bool) -> list[Publish]:
+    def held(now: float) -> Computed | None:
         entered.set()
         release.wait(30.0)
-        return real(now, wall, **kw)
+        return real(now)
 
-    core.recompute_now = held  # type: ignore[method-assign]
+    core.compute = held  # type: ignore[method-assign]
 
     async def body() -> None:
         await _until(lambda: core.lease.role == "active")
@@ -290,3 +300,101 @@ def test_messages_held_during_a_recompute_are_taken_in_order_and_the_loop_runs_b
     assert taken == [b"early%d" % i for i in range(6)] + [b"late%d" % k for k in range(3)]
     assert any(0 < x < 6 for x in seen_mid_drain)  # the loop ran while they drained
     assert ctl._deferred == []
+
+
+def test_a_node_dying_during_a_held_recompute_is_routed_around_before_it_ends(
+    tmp_path: Path,
+) -> None:
+    """Issue 15: the will of a relay arrives while a recompute is held in its thread. The
+    nodes relaying through it get sets that avoid it before the recompute ends (the shell
+    reads the held will ahead, the urgent plan runs on the loop), and the recompute's
+    own sets, once it ends, do not put the relay back."""
+    n = 40
+    rig = Rig(tmp_path, n, delay_s=0.0)
+    core = rig.ctl.core
+    release = threading.Event()
+    entered = threading.Event()
+    hold = threading.Event()
+    real = core.compute
+
+    threads: set[str] = set()
+
+    def maybe_held(now: float) -> Computed | None:
+        threads.add(threading.current_thread().name)
+        if hold.is_set():
+            entered.set()
+            release.wait(30.0)
+        return real(now)
+
+    core.compute = maybe_held  # type: ignore[method-assign]
+    controller = [core.key.public_key()]
+
+    def sets_since(start: int) -> dict[str, RouteSet]:
+        out: dict[str, RouteSet] = {}
+        for topic, payload in rig.broker.log[start:]:
+            parsed = rig.topics.parse(topic)
+            if parsed is not None and parsed[0] == "routes":
+                out[parsed[1]] = verify_route_set(payload, controller, mesh=MESH, node=parsed[1])
+        return out
+
+    async def body() -> None:
+        await _until(lambda: core.lease.role == "active")
+        await rig.telemetry()
+        await _until(lambda: len(set(rig.route_sets())) == n and not rig.ctl._computing)
+        assert core.engine.installed is not None
+        # The relay most routes (fast or bulk) go through, and the nodes that use it.
+        tables = [core.engine.installed.next_hop]
+        if core.engine._bulk is not None:
+            tables.append(core.engine._bulk)
+        idx = np.arange(n)
+        relayed = [t[(t != idx[None, :]) & (t != idx[:, None]) & (t >= 0)] for t in tables]
+        x = int(np.bincount(np.concatenate(relayed), minlength=n).argmax())
+        dead = rig.mesh.nodes[x]
+        watch = {
+            rig.mesh.nodes[s].name
+            for t in tables
+            for s in range(n)
+            for d in range(n)
+            if x not in (s, d) and t[s, d] == x
+        }
+        assert watch, "no node relays through another here"
+        hold.set()
+        await rig.telemetry()  # dirty: the next recompute starts and is held
+        await _until(entered.is_set)
+        start = len(rig.broker.log)
+        st = AgentStatus(mesh=MESH, node=dead.name, online=False, since=time.time(), seq=0)
+        assert rig.broker.handler is not None
+        await rig.broker.handler(
+            rig.topics.status(dead.name), sign("status", st, dead.identity), False
+        )
+        await _until(lambda: watch <= set(sets_since(start)))
+        assert rig.ctl._computing and not release.is_set()  # the recompute is still held
+        for rs in sets_since(start).values():
+            assert not any(r.via == dead.wg_key and r.dst != dead.address for r in rs.routes)
+        release.set()
+        await _until(lambda: not rig.ctl._computing and rig.ctl._deferred == [])
+        await asyncio.sleep(0.3)  # its sets out
+        for name in watch:
+            latest = sets_since(0)[name]
+            assert not any(r.via == dead.wg_key and r.dst != dead.address for r in latest.routes)
+
+    try:
+        asyncio.run(_run(rig, body))
+    finally:
+        release.set()
+    # Every recompute on the one thread kept for them (one malloc arena, issue 15).
+    assert len(threads) == 1 and next(iter(threads)).startswith("recompute"), threads
+
+
+def test_a_full_pass_waits_while_urgent_sets_are_queued(tmp_path: Path) -> None:
+    """The urgent sets go out before a recompute takes the GIL from the loop: the tick
+    starts none while one waits in the queue; once taken by a publisher it may start."""
+    rig = Rig(tmp_path, 3, delay_s=0.0)
+    ctl = rig.ctl
+    ctl._send([Publish("t/a", b"a", True, node="a", priority=REFRESH)])
+    assert not ctl._urgent_waiting()
+    ctl._send([Publish("t/b", b"b", True, node="b", priority=URGENT)])
+    assert ctl._urgent_waiting()
+    taken = ctl._next()
+    assert taken is not None and taken.node == "b"
+    assert not ctl._urgent_waiting()
