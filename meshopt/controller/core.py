@@ -637,17 +637,7 @@ class ControllerCore:
             prio = (
                 URGENT if failed_rows[i] or i in moved else CHANGED if changed_rows[i] else REFRESH
             )
-            self.intended[node] = routes
-            out.append(
-                Publish(
-                    self.topics.routes(node),
-                    b"",
-                    True,
-                    node=node,
-                    routes=tuple(routes),
-                    priority=int(prio),
-                )
-            )
+            out.append(self._intend(node, routes, int(prio)))
         out.sort(key=lambda p: p.priority)  # stable: node order within a class
         return out
 
@@ -807,17 +797,7 @@ class ControllerCore:
             new = routes.get(node)
             if new is None or self.intended.get(node) == new:
                 continue
-            self.intended[node] = new
-            out.append(
-                Publish(
-                    self.topics.routes(node),
-                    b"",
-                    True,
-                    node=node,
-                    routes=tuple(new),
-                    priority=URGENT,
-                )
-            )
+            out.append(self._intend(node, new, URGENT))
         log.info(
             "urgent: %d entries of %d nodes moved off %d failures (%d affected)",
             fix.s.size,
@@ -968,6 +948,18 @@ class ControllerCore:
                 routes[node] = new
                 out.add(s)
         return out
+
+    def _intend(self, node: str, routes: list[Route], priority: int) -> Publish:
+        """Record ``routes`` as what ``node`` should hold; its unsigned route-set publish."""
+        self.intended[node] = routes
+        return Publish(
+            self.topics.routes(node),
+            b"",
+            True,
+            node=node,
+            routes=tuple(routes),
+            priority=priority,
+        )
 
     def sign_routes(self, a: Publish, wall: float) -> Publish | None:
         """A planned route set, versioned and signed now; None (counted) if it cannot be

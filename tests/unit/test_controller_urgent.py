@@ -97,19 +97,24 @@ def test_a_dead_relay_moves_exactly_the_paths_through_it_as_a_full_recompute_wou
                 assert p[-1] == d and x not in p, (s, d, p)
 
 
+def _busiest_link(nh: np.ndarray) -> tuple[int, int]:
+    """The link (a, b) that the most walks of the next-hop table ``nh`` take."""
+    n = nh.shape[0]
+    uses = np.zeros((n, n), dtype=int)
+    for s in range(n):
+        for d in range(n):
+            for a, b in itertools.pairwise(_walk(nh, s, d)):
+                uses[a, b] += 1
+    a, b = np.unravel_index(int(uses.argmax()), uses.shape)
+    return int(a), int(b)
+
+
 def test_a_slightly_worse_link_moves_nothing_and_a_far_worse_one_moves_its_ends() -> None:
     n = 60
     cost = np.array(generate(f"gen:geo:n={n},seed=3").rtt_ms(), dtype=float)
     np.fill_diagonal(cost, 0.0)
     nh = compute_routes(cost, relay_hop_ms=2.0).next_hop
-    # The direct link the most entries take.
-    uses = np.zeros((n, n), dtype=int)
-    for s in range(n):
-        for d in range(n):
-            p = _walk(nh, s, d)
-            for a, b in itertools.pairwise(p):
-                uses[a, b] += 1
-    a, b = np.unravel_index(int(uses.argmax()), uses.shape)
+    a, b = _busiest_link(nh)  # the direct link the most entries take
     bad = np.zeros((n, n), dtype=bool)
     bad[a, b] = bad[b, a] = True
     none = np.zeros(n, dtype=bool)
@@ -326,15 +331,7 @@ def test_a_far_worse_link_moves_its_ends_and_noise_moves_nothing() -> None:
     rig = _fresh()
     core = rig.core
     nh = rig.nh()
-    n = rig.mesh.n
-    # The direct link the most routes take.
-    uses = np.zeros((n, n), dtype=int)
-    for s in range(n):
-        for d in range(n):
-            p = _walk(nh, s, d)
-            for a, b in itertools.pairwise(p):
-                uses[a, b] += 1
-    a, b = (int(v) for v in np.unravel_index(int(uses.argmax()), uses.shape))
+    a, b = _busiest_link(nh)  # the direct link the most routes take
     sets_before = {n: list(r) for n, r in core.intended.items()}
     # 5 % worse (a change report's worth, not a failure): nothing urgent.
     nudged = rig.mesh.reports(a, random.Random(a), profile="lean", factor=None)
