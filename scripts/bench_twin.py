@@ -27,6 +27,7 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3, help="simulated runs per topology")
     ap.add_argument("--lab-runs", type=int, default=1, help="lab runs per topology")
     ap.add_argument("--jitter-s", type=float, default=60.0, help="length of the jitter period")
+    ap.add_argument("--logs", type=Path, help="keep each lab run's logs and readings here")
     args = ap.parse_args()
     tl = Timeline(jitter_s=args.jitter_s)
     out = bench(
@@ -36,6 +37,7 @@ def main() -> int:
         lab_runs=args.lab_runs,
         timeline=tl,
         progress=lambda m: print(m, file=sys.stderr, flush=True),
+        logs=args.logs,
     )
     print(json.dumps(json_safe(out), indent=1))
     if not args.sim_only:

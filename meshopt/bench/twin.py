@@ -25,11 +25,13 @@ times within max(0.5 s, 30 %), changes within +/- 1 per 10 pairs.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshopt.analysis import Plan, plan
@@ -281,10 +283,13 @@ def _at(
     return before[-1] if before else None
 
 
-def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict[str, Any]:
-    """One lab run of the scenario's timeline (root; minutes)."""
+def lab_side(
+    sc: Scenario, tl: Timeline, index: int, progress: Progress, keep: Path | None = None
+) -> dict[str, Any]:
+    """One lab run of the scenario's timeline (root; minutes). ``keep``: keep the lab's
+    logs and every next-hop reading there, one directory per run."""
     from meshopt.bench.cpuload import lag_window
-    from meshopt.lab.agents import BootWatch, agent_logs
+    from meshopt.lab.agents import BootWatch, agent_logs, keep_logs
     from meshopt.lab.lab import Lab
     from meshopt.lab.measure import outage_time
     from meshopt.lab.mesh import LiveMesh
@@ -296,10 +301,12 @@ def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict
     try:
         timing = lab.emulator.stats()
         logs = agent_logs(lab, mesh.nodes)
+        # The control plane first (the simulator's is there from time 0), then the agents.
+        out["controllers_ready_s"] = mesh.start_controllers()
         t0 = time.monotonic()
         watch = BootWatch(logs, t0)
         watch.start()
-        mesh.start()
+        mesh.start_agents()
         started = time.monotonic() - t0
         t0 = time.monotonic()
         watch.t0 = t0
@@ -365,6 +372,10 @@ def lab_side(sc: Scenario, tl: Timeline, index: int, progress: Progress) -> dict
         out["agents_up_s"] = {"first": ups[0], "last": ups[-1], "count": len(ups)} if ups else None
         out["start_call_s"] = started
         out["lab_fidelity"] = lag_window(timing, lab.emulator.stats())
+        if keep is not None:
+            run = keep / f"twin{index}"
+            keep_logs(lab, run)
+            (run / "readings.json").write_text(json.dumps(log))
         return out
     finally:
         mesh.stop()
@@ -452,6 +463,7 @@ def bench(
     lab_runs: int = 1,
     timeline: Timeline | None = None,
     progress: Progress = lambda _: None,
+    logs: Path | None = None,
 ) -> dict[str, Any]:
     tl = timeline or Timeline()
     out: dict[str, Any] = {"timeline": tl.__dict__, "sim_seeds": seeds, "lab_runs": lab_runs}
@@ -460,7 +472,7 @@ def bench(
         sc = scenario(topology)
         labs: list[dict[str, Any]] = []
         if not sim_only:
-            labs = [lab_side(sc, tl, k * 10 + r, progress) for r in range(lab_runs)]
+            labs = [lab_side(sc, tl, k * 10 + r, progress, logs) for r in range(lab_runs)]
         boot = _boot(labs)
         started = time.monotonic()
         sim = sim_side(sc, tl, seeds, boot)

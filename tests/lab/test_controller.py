@@ -36,7 +36,11 @@ def mesh(lab_ok: None) -> Iterator[LiveMesh]:
     lab = Lab.up(str(EXAMPLES / "lab4.yaml"), name=new_lab_id(), layout="single")
     live = LiveMesh(lab, controller_settings={"nodes": NODES})
     try:
-        live.start(controllers=("ctl1", "ctl2"))
+        # The control plane first, as the benchmarks start it: on the broker and holding
+        # the lease before any agent runs.
+        live.start_controllers(("ctl1", "ctl2"))
+        assert active(lab) in ("ctl1", "ctl2")
+        live.start_agents()
         relayed = wait_until(lambda: len(live.path("n1", "n4")) == 3, 40)
         assert relayed is not None, f"n1->n4 never relayed:\n{live.logs()}"
         time.sleep(2.0)
