@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from meshopt.routing import compiled as compiled_fw
 from meshopt.routing import dense
 from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
 
@@ -88,17 +89,24 @@ def prepare_weights(
 
 
 def shortest_paths(
-    exact: FloatArray, perturbed: FloatArray
+    exact: FloatArray, perturbed: FloatArray, *, compiled: bool | None = None
 ) -> tuple[FloatArray, IntArray, FloatArray]:
     """(dist, next_hop, exact path cost) for the unique perturbed shortest paths.
 
     ``dist`` is over the perturbed weights, the cost is the exact sum of
     ``exact`` along the same paths; both include every edge's relay-hop cost.
+    ``compiled``: True/False forces the numba kernel on or off (it still falls
+    back to scipy without numba); None uses it from ``COMPILED_MIN_N`` nodes.
     """
     n = perturbed.shape[0]
     if n == 0:
         empty = np.zeros((0, 0))
         return empty, np.zeros((0, 0), dtype=np.int64), empty
+    if compiled_fw.use_compiled(n, compiled):
+        fast = compiled_fw.floyd_warshall(perturbed)
+        if fast is not None:
+            dist, nh = fast
+            return dist, nh, reduce_paths(nh, exact, "sum")
     if dense.small(n):
         dist_t, pred_t = dense.floyd_warshall(perturbed.T)
     else:
@@ -132,17 +140,19 @@ def compute_routes(
     *,
     relay_hop_ms: float = 2.0,
     symmetric: bool = False,
+    compiled: bool | None = None,
 ) -> RouteTables:
     """All-pairs next hops and costs from a dense link-cost matrix (inf = no link).
 
     In symmetric mode each link costs the mean of its two directions and the
-    route from b to a is the reverse of the route from a to b.
+    route from b to a is the reverse of the route from a to b. ``compiled``
+    forces the numba kernel on or off (default: from ``COMPILED_MIN_N`` nodes).
     """
     exact, perturbed = prepare_weights(link_cost, relay_hop_ms, symmetric)
     n = exact.shape[0]
     if names is not None and len(names) != n:
         raise ValueError(f"{len(names)} names for a {n}-node cost matrix")
-    dist, nh, cost = shortest_paths(exact, perturbed)
+    dist, nh, cost = shortest_paths(exact, perturbed, compiled=compiled)
     return RouteTables(
         names=list(names) if names is not None else [str(i) for i in range(n)],
         cost=without_relay_offset(cost, relay_hop_ms),

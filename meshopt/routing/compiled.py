@@ -1,0 +1,104 @@
+"""All-pairs next hops with a numba-compiled Floyd–Warshall, for large meshes.
+
+scipy's Floyd–Warshall with predecessors takes ~1.1-1.4 s of CPU on the 1,000-node
+mesh of ``scripts/bench_routes.py``; the blocked kernel in ``_fw_numba`` takes
+~0.4-0.5 s for the same next hops. numba is imported lazily and only for meshes of
+at least ``COMPILED_MIN_N`` nodes: small meshes, agents, the offline commands and
+the tests never load it (importing numba costs ~0.3 s of CPU, compiling the kernel
+~1-2 s once per machine, loading it from numba's on-disk cache ~0.1 s once per
+process). Without numba (it comes with the ``controller`` extra), or if the kernel
+fails, ``floyd_warshall`` returns None after one log line and the caller uses scipy.
+
+Same routes as the scipy path: both find, for every pair, the least sum of the
+tie-perturbed weights, and those paths are unique (``allpairs``: gaps between
+distinct paths are ~1e-4 ms, rounding differences between the two summation
+orders ~1e-13 ms), so the next hops agree and the distances agree to rounding.
+``tests/unit/test_routing_compiled.py`` holds them against scipy and networkx.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+import numpy as np
+
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray
+
+log = logging.getLogger(__name__)
+
+# From this many nodes up compute_routes uses the compiled kernel. Measured on the
+# 2-core VM (CPU s per call, kernel vs scipy): see docs/routes.md. Below it scipy's
+# run is short and loading numba would cost more than a call saves.
+COMPILED_MIN_N = 256
+# Tile edge: 128 × 128 float64 + int64 tiles (256 KiB a pair) stay in L2.
+BLOCK = 128
+
+_state: dict[str, ModuleType | None] = {}
+
+
+def _kernel() -> ModuleType | None:
+    """The kernel module, imported on first use; None (logged once) without numba."""
+    if "kernel" not in _state:
+        try:
+            kernel = importlib.import_module("meshopt.routing._fw_numba")
+        except ImportError as e:
+            log.warning(
+                "numba unavailable (%s): all-pairs routes use scipy's Floyd-Warshall, "
+                "~2-3x slower on large meshes; install the 'controller' extra",
+                e,
+            )
+            _state["kernel"] = None
+        else:
+            _state["kernel"] = kernel
+    return _state["kernel"]
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used (imports numba on first call)."""
+    return _kernel() is not None
+
+
+def use_compiled(n: int, compiled: bool | None) -> bool:
+    """Whether an n-node run should try the kernel: ``compiled`` forces it either way."""
+    return n >= COMPILED_MIN_N if compiled is None else compiled
+
+
+def warm_up() -> bool:
+    """Import numba and compile or load the kernel now; False without it."""
+    k = _kernel()
+    if k is None:
+        return False
+    k.warm_up()
+    return True
+
+
+def floyd_warshall(
+    weights: FloatArray, *, block: int = BLOCK
+) -> tuple[FloatArray, IntArray] | None:
+    """(dist, next_hop) over dense ``weights`` (inf = no edge, all >= 0), or None.
+
+    ``next_hop[s, d]`` is s's neighbour on the shortest path to d, s on the
+    diagonal, ``NO_ROUTE`` if d is unreachable; ``dist[s, d]`` its length.
+    None if numba is missing or the kernel failed (logged): use scipy then.
+    ``block``: the tile edge (tests use small ones to cover every tile phase).
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    k = _kernel()
+    if k is None:
+        return None
+    d = np.array(weights, dtype=np.float64, order="C", copy=True)
+    n = d.shape[0]
+    np.fill_diagonal(d, 0.0)
+    cols = np.arange(n, dtype=np.int64)
+    nh = np.where(np.isfinite(d), cols[None, :], np.int64(NO_ROUTE))
+    np.fill_diagonal(nh, cols)
+    try:
+        k.floyd_warshall_next_hops(d, nh, block)
+    except Exception:
+        log.exception("compiled Floyd-Warshall failed: using scipy from now on")
+        _state["kernel"] = None
+        return None
+    return d, nh
