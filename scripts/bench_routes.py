@@ -31,11 +31,13 @@ numba's cache) before anything is timed, and that one-off cost is reported apart
 an empty cache directory, the first compiling ("first_call_compile_s"), the second
 loading what the first cached ("first_call_cached_s"), each after "import_numba_s".
 
-Measured 2026-11-27 on the 2-core VM (load average 1.3-4.7 from other work):
-n=1000 0.45-0.6 s CPU median (scipy path 1.2-1.8 s, networkx not run), n=200
-~250x networkx (numpy/scipy path, below the threshold), incremental ~0.6 ms median;
-first call in a process 2.3-2.9 s when compiling, ~0.9 s when loading the cache
-(numba's import included). See README "Benchmarks" for the exact figures.
+Measured 2026-11-27 05:19-05:22 UTC on the 2-core VM, load average 3.5-3.8 from
+other work (``scripts/bench_routes.py --out bench.json``, numba 0.68.1): n=1000
+0.59 s CPU median (0.51-0.76, 5 runs; the scipy path beside it 1.06 s, 0.99-1.86),
+n=500 0.089 s (scipy 0.134 s), n=200 170x networkx (scipy path, below the
+threshold), incremental 0.43 ms median at n=1000; one-off per process: numba's
+import 0.37-0.40 s, then the first call 1.70 s compiling or 0.53 s loading the
+cache. See README "Benchmarks".
 
     .venv/bin/python scripts/bench_routes.py --out bench.json
     .venv/bin/python scripts/bench_routes.py --quick

@@ -8,6 +8,10 @@ the tests never load it (importing numba costs ~0.3 s of CPU, compiling the kern
 ~1-2 s once per machine, loading it from numba's on-disk cache ~0.1 s once per
 process). Without numba (it comes with the ``controller`` extra), or if the kernel
 fails, ``floyd_warshall`` returns None after one log line and the caller uses scipy.
+That includes a process that may not map executable memory (systemd's
+``MemoryDenyWriteExecute=yes``, PR_SET_MDWE: numba's import raises PermissionError)
+and one where numba finds no writable cache directory (RuntimeError at import;
+``NUMBA_CACHE_DIR`` names one).
 
 Same routes as the scipy path: both find, for every pair, the least sum of the
 tie-perturbed weights, and those paths are unique (``allpairs``: gaps between
@@ -29,8 +33,13 @@ from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray
 log = logging.getLogger(__name__)
 
 # From this many nodes up compute_routes uses the compiled kernel. Measured on the
-# 2-core VM (CPU s per call, kernel vs scipy): see docs/routes.md. Below it scipy's
-# run is short and loading numba would cost more than a call saves.
+# 2-core VM (CPU s per compute_routes, kernel vs scipy, load 4-5): 0.005/0.010 at 150
+# nodes, 0.009/0.016 at 200, 0.019/0.030 at 256, 0.038/0.062 at 300, 0.085/0.136 at
+# 400, 0.63-0.84/1.47-1.84 at 1000. The kernel wins at every size, but loading it
+# costs ~1.2 s once per process (numba's import ~0.45 s, the cached kernel ~0.75 s;
+# compiling on a fresh cache ~2.5 s): at 256 nodes that is repaid after ~100
+# recomputes, at 1000 in the first one. 256 keeps the lab (up to 250 nodes), the
+# offline commands and the tests on scipy/numpy.
 COMPILED_MIN_N = 256
 # Tile edge: 128 × 128 float64 + int64 tiles (256 KiB a pair) stay in L2.
 BLOCK = 128
@@ -43,10 +52,11 @@ def _kernel() -> ModuleType | None:
     if "kernel" not in _state:
         try:
             kernel = importlib.import_module("meshopt.routing._fw_numba")
-        except ImportError as e:
+        except Exception as e:  # not installed, or refused (see the module docstring)
             log.warning(
-                "numba unavailable (%s): all-pairs routes use scipy's Floyd-Warshall, "
-                "~2-3x slower on large meshes; install the 'controller' extra",
+                "numba unavailable (%s: %s): all-pairs routes use scipy's Floyd-Warshall, "
+                "~2-3x slower on large meshes (docs/daemons.md, 'Compiled routes')",
+                type(e).__name__,
                 e,
             )
             _state["kernel"] = None

@@ -167,3 +167,33 @@ def test_a_failing_kernel_falls_back_to_scipy(
     assert "compiled Floyd-Warshall failed" in caplog.text
     assert compiled._state["kernel"] is None
     assert np.array_equal(t.next_hop, compute_routes(c, compiled=False).next_hop)
+
+
+MDWE_ROUTES = (
+    "import ctypes, logging, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.prctl(65, 1, 0, 0, 0) != 0:\n"  # PR_SET_MDWE, PR_MDWE_REFUSE_EXEC_GAIN
+    "    sys.exit(77)\n"
+    "logging.basicConfig(level=logging.WARNING)\n"
+    "import numpy as np\n"
+    "from meshopt.routing import compute_routes\n"
+    "c = np.random.default_rng(1).uniform(1.0, 50.0, (30, 30))\n"
+    "a = compute_routes(c, compiled=True)\n"
+    "b = compute_routes(c, compiled=False)\n"
+    "print(bool(np.array_equal(a.next_hop, b.next_hop)))\n"
+)
+
+
+def test_write_execute_memory_refused_means_scipy_and_one_warning() -> None:
+    """As under MemoryDenyWriteExecute=yes (the shipped controller unit): numba's import
+    raises, the routes come from scipy, and the log says why."""
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", MDWE_ROUTES], capture_output=True, text=True, timeout=120
+    )
+    if proc.returncode == 77:
+        pytest.skip("this kernel has no PR_SET_MDWE (Linux < 6.3)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+    assert proc.stderr.count("numba unavailable (PermissionError") == 1, proc.stderr
