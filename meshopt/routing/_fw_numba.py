@@ -120,8 +120,55 @@ def floyd_warshall_next_hops(d: FloatArray, nh: IntArray, block: int) -> None:
                     _tile_from_closed(d, nh, i0, i1, jb * block, min(n, jb * block + block), k0, k1)
 
 
+@_jit()
+def sum_paths(nh: IntArray, edge: FloatArray, rounds: int) -> FloatArray:
+    """``tables.reduce_paths(nh, edge, "sum")``, one destination at a time.
+
+    The same pointer doubling, with the same additions in the same order (each
+    round adds the partial sum of the node reached, as read before the round), but
+    a destination's column fits in L1 and stops once all of its paths arrived: ~3x
+    faster. For ``nh`` with s on the diagonal only (then a finished path adds the
+    diagonal's 0.0 per further round, which changes no value) and ``edge`` without
+    NaN or -inf; ``rounds``: reduce_paths's ceil(log2 n) + 1.
+    """
+    n = nh.shape[0]
+    out = np.empty((n, n))
+    val = np.empty(n)
+    val2 = np.empty(n)
+    jmp = np.empty(n, np.int64)
+    jmp2 = np.empty(n, np.int64)
+    for d in range(n):
+        for s in range(n):
+            h = nh[s, d]
+            if h < 0:
+                jmp[s] = d
+                val[s] = math.inf
+            else:
+                jmp[s] = h
+                val[s] = edge[s, h]
+        val[d] = 0.0 if nh[d, d] >= 0 else math.inf
+        for _ in range(rounds):
+            done = True
+            for s in range(n):
+                if jmp[s] != d:
+                    done = False
+                    break
+            if done:
+                break
+            for s in range(n):
+                j = jmp[s]
+                val2[s] = val[s] + val[j]
+                jmp2[s] = jmp[j]
+            val, val2 = val2, val
+            jmp, jmp2 = jmp2, jmp
+        for s in range(n):
+            out[s, d] = val[s] if jmp[s] == d else math.inf
+    return out
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) for the array types used: a 3-node run."""
     d = np.zeros((3, 3))
     nh = np.zeros((3, 3), dtype=np.int64)
     floyd_warshall_next_hops(d, nh, 2)
+    sum_paths(nh, d, 3)

@@ -111,7 +111,7 @@ def shortest_paths(
         fast = compiled_fw.floyd_warshall(perturbed)
         if fast is not None:
             dist, nh = fast
-            return dist, nh, reduce_paths(nh, exact, "sum")
+            return dist, nh, compiled_fw.path_sums(nh, exact)
     if dense.small(n):
         dist_t, pred_t = dense.floyd_warshall(perturbed.T)
     else:

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 from types import ModuleType
 
 import numpy as np
 
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray
+from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, reduce_paths
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,32 @@ def warm_up() -> bool:
         return False
     k.warm_up()
     return True
+
+
+def path_sums(next_hop: IntArray, edge: FloatArray) -> FloatArray:
+    """``reduce_paths(next_hop, edge, "sum")``, the same values; compiled once the
+    kernel is loaded (~25 ms instead of ~75 ms at 1000 nodes), else reduce_paths itself.
+
+    The kernel takes the engine's tables only: s on the diagonal (there a path that has
+    arrived adds 0.0 per further round, so each destination may stop on its own) and
+    edges without NaN or -inf.
+    """
+    k = _state.get("kernel")
+    n = next_hop.shape[0]
+    if (
+        k is None
+        or n == 0
+        or not np.min(edge) > -math.inf  # NaN, -inf: the masked way
+        or not np.array_equal(np.diagonal(next_hop), np.arange(n))
+    ):
+        return reduce_paths(next_hop, edge, "sum")
+    rounds = max(1, math.ceil(math.log2(n))) + 1  # as reduce_paths
+    out: FloatArray = k.sum_paths(
+        np.ascontiguousarray(next_hop, dtype=np.int64),
+        np.ascontiguousarray(edge, dtype=np.float64),
+        rounds,
+    )
+    return out
 
 
 def floyd_warshall(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from meshopt.routing import compiled
 from meshopt.routing.allpairs import compute_routes, prepare_weights, reference_routes
-from meshopt.routing.tables import NO_ROUTE
+from meshopt.routing.tables import NO_ROUTE, reduce_paths
 from tests.unit.test_routing_common import INF, Mesh, meshes, random_costs, to_graph
 
 pytest.importorskip("numba")
@@ -81,6 +81,25 @@ def test_compiled_matches_networkx(m: Mesh) -> None:
     assert np.allclose(t.cost[fin], r.cost[fin], rtol=0.0, atol=1e-3)
     if m.kind != "int":  # exact ties: networkx picks either, the perturbation one of them
         assert np.array_equal(t.next_hop, r.next_hop)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 2**32 - 1), st.booleans())
+def test_path_sums_are_reduce_paths_to_the_bit(n: int, seed: int, with_inf: bool) -> None:
+    """Any table, not only shortest-path ones: loops, broken routes, odd diagonals."""
+    assert compiled.available()
+    rng = np.random.default_rng(seed)
+    nh = rng.integers(-1, n, (n, n)).astype(np.int64)
+    if rng.random() < 0.5:  # mostly the engine's shape: i on the diagonal
+        np.fill_diagonal(nh, np.arange(n))
+    edge = rng.uniform(0.0, 50.0, (n, n))
+    if with_inf:
+        edge[rng.random((n, n)) < 0.2] = INF
+    want = reduce_paths(nh, edge, "sum")
+    got = compiled.path_sums(nh, edge)
+    assert np.array_equal(got, want)
+    edge[0, 0] = np.nan  # not for the kernel: reduce_paths's masked way
+    assert np.array_equal(compiled.path_sums(nh, edge), reduce_paths(nh, edge, "sum"), True)
 
 
 def test_exact_ties_disconnected_parts_and_one_way_links() -> None:
