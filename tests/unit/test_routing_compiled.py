@@ -7,6 +7,7 @@ machine compiles the kernel (~2 s, then numba's on-disk cache serves it).
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 
@@ -20,7 +21,10 @@ from meshopt.routing.allpairs import compute_routes, prepare_weights, reference_
 from meshopt.routing.tables import NO_ROUTE, reduce_paths
 from tests.unit.test_routing_common import INF, Mesh, meshes, random_costs, to_graph
 
-pytest.importorskip("numba")
+# Not importorskip: that would import numba while collecting, in every run of the suite.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="numba not installed"
+)
 
 
 def scipy_fw(perturbed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
