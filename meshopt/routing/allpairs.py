@@ -2,7 +2,7 @@
 
 The backend runs Floyd–Warshall on a dense matrix (a mesh VPN is a full mesh or
 close to it, so dense is the right shape): from ``compiled.COMPILED_MIN_N`` (256)
-nodes a cache-blocked one compiled with numba (``compiled``, 2-3× scipy's, the
+nodes a cache-blocked one compiled with numba (``compiled``, ~2× as fast as scipy's, the
 same next hops), else scipy's, or for meshes of up to ``dense.SMALL_N`` nodes a
 numpy one with bit-identical results that spares the offline commands scipy's
 import. Three tricks:
