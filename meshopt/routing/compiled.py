@@ -104,11 +104,16 @@ def path_sums(next_hop: IntArray, edge: FloatArray) -> FloatArray:
     ):
         return reduce_paths(next_hop, edge, "sum")
     rounds = max(1, math.ceil(math.log2(n))) + 1  # as reduce_paths
-    out: FloatArray = k.sum_paths(
-        np.ascontiguousarray(next_hop, dtype=np.int64),
-        np.ascontiguousarray(edge, dtype=np.float64),
-        rounds,
-    )
+    try:
+        out: FloatArray = k.sum_paths(
+            np.ascontiguousarray(next_hop, dtype=np.int64),
+            np.ascontiguousarray(edge, dtype=np.float64),
+            rounds,
+        )
+    except Exception:
+        log.exception("compiled path sums failed: using scipy and numpy from now on")
+        _state["kernel"] = None
+        return reduce_paths(next_hop, edge, "sum")
     return out
 
 

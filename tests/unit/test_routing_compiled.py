@@ -183,6 +183,10 @@ def test_a_failing_kernel_falls_back_to_scipy(
         def floyd_warshall_next_hops(d: object, nh: object, block: int) -> None:
             raise RuntimeError("boom")
 
+        @staticmethod
+        def sum_paths(nh: object, edge: object, rounds: int) -> None:
+            raise RuntimeError("boom")
+
     monkeypatch.setitem(compiled._state, "kernel", Broken)  # type: ignore[arg-type]
     c = random_costs(10, np.random.default_rng(6), "float", 0.8)
     with caplog.at_level(logging.ERROR, logger="meshopt.routing.compiled"):
@@ -190,6 +194,12 @@ def test_a_failing_kernel_falls_back_to_scipy(
     assert "compiled Floyd-Warshall failed" in caplog.text
     assert compiled._state["kernel"] is None
     assert np.array_equal(t.next_hop, compute_routes(c, compiled=False).next_hop)
+    monkeypatch.setitem(compiled._state, "kernel", Broken)  # type: ignore[arg-type]
+    nh, edge = t.next_hop, np.where(np.isfinite(c), c, INF)
+    with caplog.at_level(logging.ERROR, logger="meshopt.routing.compiled"):
+        assert np.array_equal(compiled.path_sums(nh, edge), reduce_paths(nh, edge, "sum"))
+    assert "compiled path sums failed" in caplog.text
+    assert compiled._state["kernel"] is None
 
 
 MDWE_ROUTES = (
