@@ -31,14 +31,15 @@ numba's cache) before anything is timed, and that one-off cost is reported apart
 an empty cache directory, the first compiling ("first_call_compile_s"), the second
 loading what the first cached ("first_call_cached_s"), each after "import_numba_s".
 
-Measured 2026-11-27 on the 2-core VM shared with other work, two runs of
-``scripts/bench_routes.py --out bench.json`` (numba 0.68.1), at 05:19 (load average
-3.5-3.8) and at 05:35 UTC (4.9-5.2, with the compiled path sums): n=1000 0.59 / 0.63 s
-CPU median (0.51-0.76 / 0.54-0.76, 5 runs each), the scipy path beside it 1.06 / 1.57 s;
-n=500 0.089 / 0.112 s (scipy 0.134 / 0.232 s); n=200 170x / 149x networkx (scipy
-path, below the threshold); incremental 0.43 / 0.40 ms median at n=1000. One-off
-per process: numba's import 0.36-0.55 s, then the first call 1.7 / 3.5 s compiling
-(empty cache) or 0.53 / 0.54 s loading the cache.
+Measured 2026-11-27 on the 2-core VM shared with other work, three runs of
+``scripts/bench_routes.py --out bench.json`` (numba 0.68.1) at 05:19, 05:35 and
+05:49 UTC (load average 3.5-3.8, 4.9-5.2, 2.2-1.8; the last two with the compiled
+path sums): n=1000 0.59 / 0.63 / 0.67 s CPU median (single runs 0.51-0.83 s), the
+scipy path beside it 1.06 / 1.57 / 1.32 s; n=500 0.089 / 0.112 / 0.083 s (scipy
+0.134 / 0.232 / 0.140 s); n=200 170x / 149x / 245x networkx (scipy path, below the
+threshold); incremental 0.43 / 0.40 / 0.49 ms median at n=1000. One-off per
+process: numba's import 0.36-0.55 s, then the first call 1.7 / 3.5 / 3.7 s compiling
+(empty cache) or 0.53 / 0.54 / 0.57 s loading the cache.
 
     .venv/bin/python scripts/bench_routes.py --out bench.json
     .venv/bin/python scripts/bench_routes.py --quick

@@ -2,12 +2,14 @@
 
 scipy's Floyd–Warshall with predecessors takes ~1.1-1.4 s of CPU on the 1,000-node
 mesh of ``scripts/bench_routes.py``; the blocked kernel in ``_fw_numba`` takes
-~0.45 s for the same next hops (all of compute_routes 0.59-0.63 s, load 3.5-5).
-numba is imported lazily and only for meshes of at least ``COMPILED_MIN_N`` nodes:
-small meshes, agents, the offline commands and the tests other than its own never
-load it (importing numba costs 0.35-0.55 s of CPU, compiling the kernels 1.7-3.5 s
-once per machine, loading them from numba's on-disk cache ~0.55 s once per
-process). Without numba (it comes with the ``controller`` extra), or if the kernel
+~0.45 s for the same next hops (all of compute_routes 0.59-0.67 s, load 2-5).
+numba is imported lazily and only for meshes of at least ``COMPILED_MIN_N`` nodes
+(importing numba costs 0.35-0.55 s of CPU, compiling the kernels 1.7-3.7 s once per
+machine, loading them from numba's on-disk cache ~0.55 s once per process): agents,
+the lab (up to 250 nodes), offline commands on smaller topologies and collecting the
+test suite never load it; of the tests, only the compiled path's own and one
+1000-node simulation do (``test_a_thousand_node_mesh_runs``: 21 s of CPU instead of
+27 s with scipy, numba's loading included). Without numba (it comes with the ``controller`` extra), or if the kernel
 fails, ``floyd_warshall`` returns None after one log line and the caller uses scipy.
 That includes a process that may not map executable memory (systemd's
 ``MemoryDenyWriteExecute=yes``, PR_SET_MDWE: numba's import raises PermissionError)
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 # nodes, 0.009/0.016 at 200, 0.019/0.030 at 256, 0.038/0.062 at 300, 0.085/0.136 at
 # 400, 0.63-0.84/1.47-1.84 at 1000. The kernel wins at every size, but loading it
 # costs ~1 s once per process (numba's import 0.35-0.55 s, the cached kernel ~0.55 s;
-# compiling on a fresh cache 1.7-3.5 s): at 256 nodes that is repaid after ~100
+# compiling on a fresh cache 1.7-3.7 s): at 256 nodes that is repaid after ~100
 # recomputes, at 1000 in the first one. 256 keeps the lab (up to 250 nodes), the
 # offline commands and the tests on scipy/numpy.
 COMPILED_MIN_N = 256
