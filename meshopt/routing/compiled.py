@@ -9,18 +9,22 @@ machine, loading them from numba's on-disk cache ~0.55 s once per process): agen
 the lab (up to 250 nodes), offline commands on smaller topologies and collecting the
 test suite never load it; of the tests, only the compiled path's own and one
 1000-node simulation do (``test_a_thousand_node_mesh_runs``: 21 s of CPU instead of
-27 s with scipy, numba's loading included). Without numba (it comes with the ``controller`` extra), or if the kernel
-fails, ``floyd_warshall`` returns None after one log line and the caller uses scipy.
+27 s with scipy, numba's loading included). Without numba (it comes with the
+``controller`` extra), or if the kernel fails, ``floyd_warshall`` returns None after
+one log line and the caller uses scipy.
 That includes a process that may not map executable memory (systemd's
 ``MemoryDenyWriteExecute=yes``, PR_SET_MDWE: numba's import raises PermissionError)
 and one where numba finds no writable cache directory (RuntimeError at import;
 ``NUMBA_CACHE_DIR`` names one).
 
 Same routes as the scipy path: both find, for every pair, the least sum of the
-tie-perturbed weights, and those paths are unique (``allpairs``: gaps between
-distinct paths are ~1e-4 ms, rounding differences between the two summation
-orders ~1e-13 ms), so the next hops agree and the distances agree to rounding.
-``tests/unit/test_routing_compiled.py`` holds them against scipy and networkx.
+tie-perturbed weights, and those paths are unique (``allpairs``). The two add the
+same weights in different orders, so a distance may differ in the last bits
+(~1e-13 ms); the next hops could only differ where two paths' perturbed lengths are
+closer than that, against a perturbation of up to 1e-4 ms per edge: a chance of
+roughly 1e-9 per close pair, never seen in the tests. The costs are the same sums
+along the same next hops, so they are equal. ``tests/unit/test_routing_compiled.py``
+holds both against scipy and networkx.
 """
 
 from __future__ import annotations
