@@ -22,6 +22,25 @@ still rises a little under load: caches and memory bandwidth are shared).
 "meta" records the load average before and after. Targets (CPU time, one core):
 n=1000 ≤ 1 s, ≥100× networkx at n=200, incremental ≤ 50 ms median at n=1000.
 
+From ``COMPILED_MIN_N`` (256) nodes compute_routes runs the numba kernel
+(meshopt/routing/compiled.py); each size says which backend ran ("backend") and,
+for the numba sizes, times the scipy path alternately beside it ("routes_scipy_s",
+"speedup_vs_scipy"). The kernel is warmed up (imported, compiled or loaded from
+numba's cache) before anything is timed, and that one-off cost is reported apart:
+"meta.warm_up_s" in this process, and "compile" from two fresh processes sharing
+an empty cache directory, the first compiling ("first_call_compile_s"), the second
+loading what the first cached ("first_call_cached_s"), each after "import_numba_s".
+
+Measured 2026-11-27 on the 2-core VM shared with other work, three runs of
+``scripts/bench_routes.py --out bench.json`` (numba 0.68.1) at 05:19, 05:35 and
+05:49 UTC (load average 3.5-3.8, 4.9-5.2, 2.2-1.8; the last two with the compiled
+path sums): n=1000 0.59 / 0.63 / 0.67 s CPU median (single runs 0.51-0.83 s), the
+scipy path beside it 1.06 / 1.57 / 1.32 s; n=500 0.089 / 0.112 / 0.083 s (scipy
+0.134 / 0.232 / 0.140 s); n=200 170x / 149x / 245x networkx (scipy path, below the
+threshold); incremental 0.43 / 0.40 / 0.49 ms median at n=1000. One-off per
+process: numba's import 0.36-0.55 s, then the first call 1.7 / 3.5 / 3.7 s compiling
+(empty cache) or 0.53 / 0.54 / 0.57 s loading the cache.
+
     .venv/bin/python scripts/bench_routes.py --out bench.json
     .venv/bin/python scripts/bench_routes.py --quick
     .venv/bin/python scripts/bench_routes.py --baseline old.json
@@ -34,7 +53,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +77,9 @@ from meshopt.routing import (
     IncrementalRoutes,
     add_backups,
     allowed_ips_consistent,
+    compiled,
     compute_routes,
+    dense,
     reference_routes,
     widest_routes,
 )
@@ -141,9 +164,58 @@ def to_graph(cost: FloatArray) -> nx.DiGraph:
     return g
 
 
+def backend(n: int) -> str:
+    """Which all-pairs path compute_routes takes for an n-node mesh here."""
+    if compiled.use_compiled(n, None) and compiled.available():
+        return "numba"
+    return "numpy" if dense.small(n) else "scipy"
+
+
+_FIRST_CALL = """
+import json, sys, time
+t0 = time.process_time()
+import numba
+t1 = time.process_time()
+from meshopt.routing import compiled
+ok = compiled.warm_up()
+t2 = time.process_time()
+print(json.dumps({"ok": ok, "import_numba_s": t1 - t0, "first_call_s": t2 - t1}))
+"""
+
+
+def compile_cost() -> dict[str, Any]:
+    """CPU seconds of the kernel's one-off costs, in fresh processes and a fresh cache.
+
+    The first process compiles (the cache directory is empty), the second loads
+    what the first wrote: what a controller pays once per machine, once per start.
+    """
+    if not compiled.available():
+        return {"skipped": "numba not installed"}
+    root = str(Path(__file__).resolve().parent.parent)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-routes-numba-") as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "PYTHONPATH": root}
+        for _ in range(2):
+            proc = subprocess.run(
+                [sys.executable, "-c", _FIRST_CALL],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=300,
+            )
+            runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {
+        "import_numba_s": runs[0]["import_numba_s"],
+        "first_call_compile_s": runs[0]["first_call_s"],
+        "import_numba_cached_s": runs[1]["import_numba_s"],
+        "first_call_cached_s": runs[1]["first_call_s"],
+    }
+
+
 def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> dict[str, Any]:
     cost = geo_mesh(n, rng)
-    out: dict[str, Any] = {"n": n, "links": n * (n - 1)}
+    out: dict[str, Any] = {"n": n, "links": n * (n - 1), "backend": backend(n)}
     tables = compute_routes(cost)
     out["relayed_fraction"] = float(tables.relayed().sum() / (n * (n - 1)))
     if n <= args.reference_max:
@@ -160,6 +232,16 @@ def bench_size(n: int, args: argparse.Namespace, rng: np.random.Generator) -> di
         )
         out["max_cost_diff_vs_networkx_ms"] = float(np.max(np.abs(ref.cost - tables.cost)))
         out["next_hops_equal_networkx"] = bool(np.array_equal(ref.next_hop, tables.next_hop))
+    elif out["backend"] == "numba":
+        out["routes_s"], out["routes_scipy_s"] = timed_many(
+            [lambda: compute_routes(cost), lambda: compute_routes(cost, compiled=False)],
+            args.repeat,
+            args.budget,
+        )
+        out["speedup_vs_scipy"] = out["routes_scipy_s"]["median"] / out["routes_s"]["median"]
+        scipy_tables = compute_routes(cost, compiled=False)
+        out["next_hops_equal_scipy"] = bool(np.array_equal(scipy_tables.next_hop, tables.next_hop))
+        out["reference_s"] = {"skipped": f"n > --reference-max {args.reference_max}"}
     else:
         out["routes_s"] = timed(lambda: compute_routes(cost), args.repeat, args.budget)
         out["reference_s"] = {"skipped": f"n > --reference-max {args.reference_max}"}
@@ -306,12 +388,31 @@ def headline(result: dict[str, Any]) -> str:
         part = f"n={n} {r['median']:.3f}s cpu ({r['wall_median']:.3f}s wall)"
         if "speedup_vs_networkx" in entry:
             part += f" {entry['speedup_vs_networkx']:.0f}x nx"
+        if "speedup_vs_scipy" in entry:
+            part += f" {entry['speedup_vs_scipy']:.1f}x scipy"
+        part += f" [{entry['backend']}]"
         parts.append(part)
     inc = result["incremental"]
     parts.append(f"incremental n={inc['n']} {inc['median_ms']:.2f}ms")
+    comp = result.get("compile", {})
+    if "first_call_compile_s" in comp:
+        parts.append(
+            f"first call {comp['first_call_compile_s']:.2f}s compiling,"
+            f" {comp['first_call_cached_s']:.2f}s cached"
+        )
     load = result["meta"]["loadavg"]
     parts.append(f"load {load['start'][0]:.1f}->{load['end'][0]:.1f}")
     return "; ".join(parts)
+
+
+def _numba_version() -> str | None:
+    """numba's version without importing it (None if not installed)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("numba")
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,9 +428,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference-max", type=int, default=200, help="largest n for networkx")
     ap.add_argument("--extras-max", type=int, default=1000, help="largest n for backups/widest")
     ap.add_argument("--budget", type=float, default=30.0, help="seconds per measurement")
+    ap.add_argument(
+        "--compile-cost",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time the numba kernel's compile and cache load in fresh processes\n"
+        "(default: yes, except with --quick)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.updates, args.repeat = "20,40", 10, max(1, min(args.repeat, 2))
+    if args.compile_cost is None:
+        args.compile_cost = not args.quick
     sizes = [int(s) for s in args.sizes.split(",") if s]
     if args.repeat < 1 or not sizes or min(sizes) < 2:
         ap.error("need --repeat >= 1 and sizes >= 2")
@@ -340,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             "numpy": np.__version__,
             "scipy": scipy.__version__,
             "networkx": nx.__version__,
+            "numba": _numba_version(),
+            "compiled_min_n": compiled.COMPILED_MIN_N,
             "cpus": os.cpu_count(),
             "machine": platform.machine(),
             "seed": args.seed,
@@ -353,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "sizes": {},
     }
+    if args.compile_cost:
+        print("# numba compile and cache-load cost", file=sys.stderr, flush=True)
+        result["compile"] = compile_cost()
+    if any(backend(n) == "numba" for n in sizes):  # warm up: nothing timed below compiles
+        t0 = time.process_time()
+        compiled.warm_up()
+        result["meta"]["warm_up_s"] = time.process_time() - t0
     for n in sizes:
         print(f"# n={n}", file=sys.stderr, flush=True)
         result["sizes"][str(n)] = bench_size(n, args, rng)

@@ -93,6 +93,8 @@ AGENT_MUST_NOT_LOAD = {
     "numpy",
     "scipy",
     "networkx",
+    "numba",  # the controller's compiled routes; llvmlite under it
+    "llvmlite",
     "matplotlib",
     "scapy",
     "zstandard",

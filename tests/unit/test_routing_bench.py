@@ -126,3 +126,19 @@ def test_targets_are_judged_on_cpu_time_and_reported_on_wall_time(
     }
     # Smaller meshes only: no target applies.
     assert b.targets({"sizes": {"40": {}}, "incremental": {"n": 40}}) == {}
+
+
+def test_compile_cost_is_reported_apart() -> None:
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("numba not installed")
+    res = run("--compile-cost", "--reference-max", "0", "--extras-max", "0")
+    comp = res["compile"]
+    assert set(comp) == {
+        "import_numba_s",
+        "first_call_compile_s",
+        "import_numba_cached_s",
+        "first_call_cached_s",
+    }
+    assert all(v > 0 for v in comp.values())
+    assert res["meta"]["compiled_min_n"] == 256 and res["meta"]["numba"]
+    assert {e["backend"] for e in res["sizes"].values()} == {"numpy"}  # --quick: 20, 40
