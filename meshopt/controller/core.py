@@ -796,7 +796,12 @@ class ControllerCore:
         self.urgent_plans += 1
         self.urgent_moves += int(fix.s.size)
         out: list[Publish] = []
-        for s in sorted(moved):
+        # Nodes with a broken fast path first (they lose traffic until their set
+        # arrives); then those whose paths only got far worse or whose bulk routes
+        # moved. The daemon signs and sends URGENT sets in this order: at 1000 nodes a
+        # dead relay gave ~650 sets, of ~4 ms each to sign, ~300 of them broken.
+        broken = set(fix.s[fix.failed].tolist())
+        for s in sorted(moved, key=lambda s: (s not in broken, s)):
             node = base.names[s]
             new = routes.get(node)
             if new is None or self.intended.get(node) == new:
