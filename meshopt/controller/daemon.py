@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -53,6 +54,13 @@ MAX_IN_FLIGHT = 8  # route sets published at once (each awaits its own PUBACK)
 LIVE_KINDS = frozenset({"lease", "controller_status"})
 SUMMARY_S = 2.0  # how often a changed tally of dropped input is logged
 DRAIN_SLICE_S = 0.02  # longest run of held messages taken without yielding to the loop
+# The cycle collector's thresholds while the daemon runs (Python's are 700, 10, 10). At
+# 1000 nodes the controller holds ~2.1 million GC-tracked objects (row caches, bulk
+# settings), and with the default a young collection came every 700 allocations and a
+# full one each time the heap grew by a quarter: the first full pass spent 6.2 of its
+# 31.7 s of CPU in the collector (14 full collections), with these 1.4 of 27.3 s (none).
+# Reference counting frees all but cycles as before; cycles wait longer (issue 15).
+GC_THRESHOLDS = (100_000, 10, 10)
 # What a reload cannot change under a running controller (identity, broker session,
 # lease timing, the graph's shape); node_keys, controller_keys and [policy] can.
 CONTROLLER_RESTART_ONLY = (
@@ -139,6 +147,14 @@ class Controller:
         return f"running: {len(self.core.enrolled)} nodes enrolled, configuration reloaded"
 
     async def run(self) -> None:
+        thresholds = gc.get_threshold()
+        gc.set_threshold(*GC_THRESHOLDS)
+        try:
+            await self._run()
+        finally:
+            gc.set_threshold(*thresholds)
+
+    async def _run(self) -> None:
         bus = asyncio.create_task(self.bus.run(self._on_message), name="bus")
         from meshopt.metrics import parse_listen
         from meshopt.metrics.controller import controller_health

@@ -523,9 +523,8 @@ def _row_base(
     """The path values row ``s``'s bulk settings came from: hops, PMTU, RTT, rate per
     destination (NaN where none; ``only``: just those destinations)."""
     base = np.full((4, len(names)), np.nan)
-    for d, d_name in enumerate(names):
-        if only is not None and not only[d]:
-            continue
+    for d in range(len(names)) if only is None else np.flatnonzero(only).tolist():
+        d_name = names[d]
         for addr in view.nodes[d_name].addresses:
             t = tuned.get((names[s], d_name, addr))
             if t is not None:
@@ -618,6 +617,8 @@ def route_sets(
             if cache is not None:
                 cache.rows.pop(s_name, None)
             continue
+        if row is not None and routes == row.routes:
+            routes = row.routes  # one list for the cache, the plan and what is intended
         out[s_name] = routes
         if cache is not None:
             if row is not None and redo is not None:
@@ -652,8 +653,9 @@ def _node_routes(
             key_for[index[o]] = key
     per_dest: dict[int, list[Route]] = {}
     paths_row = c.bulk_paths.row(s) if c.bulk_paths is not None else None
+    again = redo.tolist() if prev is not None and redo is not None else None
     for d, d_name in enumerate(names):
-        if prev is not None and redo is not None and not redo[d]:
+        if prev is not None and again is not None and not again[d]:
             if d in prev:
                 per_dest[d] = prev[d]
             continue
@@ -699,8 +701,19 @@ def _node_routes(
                             initrwnd=t["initrwnd"] if t else None,
                         )
                     )
+    if prev is not None and redo is not None:
+        # A destination rebuilt to the routes it had keeps the old objects: the sets
+        # agents hold, the sets intended and the row cache then share their Routes
+        # instead of holding a copy each (at 1000 nodes two million per copy), and the
+        # new ones are freed at once rather than scattered among long-lived objects.
+        for d in np.flatnonzero(redo).tolist():
+            new, old = per_dest.get(d), prev.get(d)
+            if new is not None and old is not None and new == old:
+                per_dest[d] = old
     routes = [r for rs in per_dest.values() for r in rs]
-    if len({(r.dst, r.table) for r in routes}) != len(routes):
+    fast = [r.dst for r in routes if r.table == "fast"]
+    bulk = [r.dst for r in routes if r.table != "fast"]
+    if len(set(fast)) != len(fast) or len(set(bulk)) != len(bulk):
         # The view gives every prefix one owner; should two destinations still share
         # one, the first keeps it: a second route to it makes the whole set invalid.
         seen: set[tuple[str, str]] = set()

@@ -235,15 +235,24 @@ def urgent_fix(
     dcols[cols, np.arange(m)] = 0.0
     dcols[bs, bj] = np.inf
     bhop = np.full(bs.size, NO_ROUTE, dtype=np.int64)
+    # An entry's step reads only its own column of dcols: after the first round, only
+    # entries in a column that changed in the last round can improve (the same result,
+    # fewer min-plus rows).
+    live = np.arange(bs.size)
     for _ in range(n + 1):
-        if bs.size == 0:
+        if live.size == 0:
             break
-        val, arg = _min_plus(pert, dcols, bs, bj)
-        better = val < dcols[bs, bj]
+        ls, lj = bs[live], bj[live]
+        val, arg = _min_plus(pert, dcols, ls, lj)
+        better = val < dcols[ls, lj]
         if not better.any():
             break
-        dcols[bs[better], bj[better]] = val[better]
-        bhop[better] = arg[better]
+        won = live[better]
+        dcols[bs[won], bj[won]] = val[better]
+        bhop[won] = arg[better]
+        moved = np.zeros(m, dtype=bool)
+        moved[bj[won]] = True
+        live = np.flatnonzero(moved[bj])
     bhop[~np.isfinite(dcols[bs, bj])] = NO_ROUTE
     btab[bs, bj] = bhop
     best_moves = (bs, bj, bhop, dcols[bs, bj])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import random
 import threading
 import time
@@ -34,7 +35,7 @@ from meshopt.bus.signing import (
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
 from meshopt.controller.core import CHANGED, REFRESH, URGENT, Publish
-from meshopt.controller.daemon import MAX_IN_FLIGHT, Controller
+from meshopt.controller.daemon import GC_THRESHOLDS, MAX_IN_FLIGHT, Controller
 from meshopt.controller.engine import Computed
 
 Handler = Callable[[str, bytes, bool], Awaitable[None]]
@@ -398,3 +399,24 @@ def test_a_full_pass_waits_while_urgent_sets_are_queued(tmp_path: Path) -> None:
     taken = ctl._next()
     assert taken is not None and taken.node == "b"
     assert not ctl._urgent_waiting()
+
+
+def test_the_daemon_runs_with_its_gc_thresholds_and_gives_the_old_ones_back(
+    tmp_path: Path,
+) -> None:
+    """Issue 15: young collections every GC_THRESHOLDS[0] allocations while it runs (the
+    default 700 cost a fifth of a full pass at 1000 nodes); the caller's afterwards."""
+    rig = Rig(tmp_path, 3, delay_s=0.0)
+    before = gc.get_threshold()
+    seen: list[tuple[int, ...]] = []
+
+    async def body() -> None:
+        seen.append(gc.get_threshold())
+        await _until(lambda: rig.ctl.core.lease.role == "active")
+        await rig.telemetry()
+        await _until(lambda: len(set(rig.route_sets())) == 3)
+        seen.append(gc.get_threshold())
+
+    asyncio.run(_run(rig, body))
+    assert seen == [GC_THRESHOLDS, GC_THRESHOLDS]
+    assert gc.get_threshold() == before

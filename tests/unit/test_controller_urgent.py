@@ -260,6 +260,10 @@ def test_a_dead_relay_node_gets_exactly_its_relaying_nodes_new_sets_at_once() ->
     assert relaying <= fast_rows <= rig.through(before, x)
     assert bulk_rows <= rig.through(bulk_before, x)
     assert all(p.priority == URGENT for p in out)
+    # Nodes whose fast paths broke go first (sent in this order), then bulk-only moves.
+    broken = [p.node in {names[s] for s in fast_rows} for p in out]
+    assert broken == sorted(broken, reverse=True)
+    assert not all(broken), "no node with only bulk moves: the order is not tested"
     dead = rig.mesh.nodes[x]
     for p in out:
         assert p.node is not None
