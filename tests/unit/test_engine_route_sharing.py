@@ -19,17 +19,21 @@ from meshopt.controller.core import ControllerCore
 from meshopt.controller.engine import route_sets
 
 
-def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> None:
-    n = 40
-    mesh = SyntheticMesh(n, 3)
+def _controller(mesh: SyntheticMesh) -> tuple[ControllerCore, Topics]:
+    """A controller core that every node of ``mesh`` is enrolled with, and the topics."""
     cfg = ControllerConfig(
         mesh=MESH,
         id=CONTROLLER_ID,
         signing_key="/unused",
         node_keys=tuple(Enrolment(x.name, public_key_b64(x.identity)) for x in mesh.nodes),
     )
-    core = ControllerCore(cfg, generate_signing_key()[0])
-    topics = Topics(MESH)
+    return ControllerCore(cfg, generate_signing_key()[0]), Topics(MESH)
+
+
+def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> None:
+    n = 40
+    mesh = SyntheticMesh(n, 3)
+    core, topics = _controller(mesh)
     agents = [
         AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time()) for x in mesh.nodes
     ]
@@ -70,14 +74,7 @@ def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> 
 def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:
     n = 30
     mesh = SyntheticMesh(n, 4)
-    cfg = ControllerConfig(
-        mesh=MESH,
-        id=CONTROLLER_ID,
-        signing_key="/unused",
-        node_keys=tuple(Enrolment(x.name, public_key_b64(x.identity)) for x in mesh.nodes),
-    )
-    core = ControllerCore(cfg, generate_signing_key()[0])
-    topics = Topics(MESH)
+    core, topics = _controller(mesh)
     rng = random.Random(2)
     for x in mesh.nodes:
         ag = AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time())
