@@ -168,6 +168,8 @@ def _render_status(s: dict[str, Any]) -> None:
     c.print(f"broker ({mode}): {b['address']} (nodes), {b['socket']} (this host)")
     if s.get("build_s") is not None:
         c.print(f"built in {s['build_s']:.1f} s; processes use {s['rss_mb']} MB RSS")
+    if s.get("tunnel_latency_us") is not None:
+        c.print(f"tunnels: {s['tunnel_latency_us']:.0f} µs a hop taken off (calibrated at up)")
     t = Table(title_justify="left")
     for col in ("node", "netns", "underlay", "overlay", "mgmt", "wireguard"):
         t.add_column(col)

@@ -42,6 +42,7 @@ Control socket: newline-delimited JSON, one reply line per request line::
     {"op": "set", "pairs": [[0, 1], ["a", "c"]], "delay_ms": 20, "rate_mbit": null}
     {"op": "set", "pairs": [["a", "b"]], "spike": 20}
     {"op": "node", "node": 1, "up": false}
+    {"op": "tunnel", "latency_us": 310}   (the lab's calibration, :mod:`meshopt.lab.calibrate`)
     {"op": "stats"}   {"op": "params"}   {"op": "ping"}
 
 Replies are ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``. A ``set``
@@ -120,6 +121,13 @@ IDLE_POLL_S = 1.0
 MAX_QUEUED = 100_000
 MAX_REQUEST_BYTES = 1 << 20
 SPIKE_MS = (100.0, 300.0)  # how much longer a spiked packet is held
+MAX_TUNNEL_LATENCY_US = 10_000.0
+
+
+def check_tunnel_latency(value: float) -> None:
+    """ValueError unless 0 <= ``value`` <= MAX_TUNNEL_LATENCY_US (µs taken off tunnel packets)."""
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_TUNNEL_LATENCY_US):
+        raise ValueError(f"tunnel_latency_us {value} out of range 0..{MAX_TUNNEL_LATENCY_US:.0f}")
 
 
 def check_spike(value: object, what: str = "spike") -> int:
@@ -214,8 +222,10 @@ def validate_spec(spec: EmulatorSpec, *, check_system: bool = True) -> None:
         raise SpecError("queue_ms must be > 0 and queue_min_bytes >= 65535 (one packet)")
     if not 0.0 <= spec.read_latency_us <= 10_000.0:
         raise SpecError(f"read_latency_us {spec.read_latency_us} out of range 0..10000")
-    if not 0.0 <= spec.tunnel_latency_us <= 10_000.0:
-        raise SpecError(f"tunnel_latency_us {spec.tunnel_latency_us} out of range 0..10000")
+    try:
+        check_tunnel_latency(spec.tunnel_latency_us)
+    except ValueError as exc:
+        raise SpecError(str(exc)) from None
     if any(not 0 < p < 65536 for p in spec.tunnel_ports):
         raise SpecError("tunnel_ports must be UDP ports 1..65535")
     if not -20 <= spec.nice <= 19:
@@ -300,7 +310,11 @@ class PingRequest(msgspec.Struct, tag_field="op", tag="ping", forbid_unknown_fie
     pass
 
 
-Request = SetRequest | NodeRequest | StatsRequest | ParamsRequest | PingRequest
+class TunnelRequest(msgspec.Struct, tag_field="op", tag="tunnel", forbid_unknown_fields=True):
+    latency_us: float
+
+
+Request = SetRequest | NodeRequest | StatsRequest | ParamsRequest | PingRequest | TunnelRequest
 _request_decoder = msgspec.json.Decoder(Request)
 
 
@@ -722,6 +736,10 @@ class Emulator:
             return {"ok": True, **self.stats()}
         if isinstance(req, ParamsRequest):
             return {"ok": True, **self.params()}
+        if isinstance(req, TunnelRequest):
+            check_tunnel_latency(req.latency_us)
+            self.tunnel_latency_s = req.latency_us / 1e6
+            return {"ok": True, "tunnel_latency_us": req.latency_us}
         if isinstance(req, NodeRequest):
             i = self._node(req.node)
             self.up[i] = req.up
@@ -799,6 +817,7 @@ class Emulator:
                 [None if math.isinf(x.rate_mbit) else x.rate_mbit for x in row] for row in p
             ],
             "spike": [list(row) for row in self.spike],
+            "tunnel_latency_us": round(self.tunnel_latency_s * 1e6, 1),
         }
 
 
@@ -1013,6 +1032,10 @@ class EmulatorClient:
 
     def params(self) -> dict[str, Any]:
         return self.request({"op": "params"})
+
+    def tunnel_latency(self, latency_us: float) -> dict[str, Any]:
+        """Take ``latency_us`` off every tunnel packet's delay from now on."""
+        return self.request({"op": "tunnel", "latency_us": latency_us})
 
     def close(self) -> None:
         if self._sock is not None:

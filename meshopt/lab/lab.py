@@ -31,6 +31,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -43,6 +44,7 @@ from typing import Any
 from meshopt.bus.client import BrokerSettings
 from meshopt.errors import InputError
 from meshopt.lab import procs
+from meshopt.lab.calibrate import Calibration, calibrate_or_warn
 from meshopt.lab.emulator import (
     EmulatorClient,
     EmulatorError,
@@ -263,7 +265,49 @@ class Lab:
         progress(f"wireguard ({state.wireguard}, {state.layout}): {len(plan.wg_ifs)} interfaces")
         backend: WgBackend = start_wireguard(self, plan.wg_ifs)
         configure_mesh(self, backend)
+        self.calibrate_tunnels(progress)
         progress(f"up in {time.monotonic() - t0:.1f} s")
+
+    def calibrate_tunnels(self, progress: Progress = _quiet) -> Calibration | None:
+        """Fit the emulator's tunnel allowance to this machine (:mod:`meshopt.lab.calibrate`);
+        ``up`` does it once. None where there is nothing to fit or it failed (warned)."""
+        client = self.emulator
+        wg = next((w for w in self.plan.wg_ifs if w.peers), None)
+        if not isinstance(client, EmulatorClient) or wg is None:
+            return None  # netem underlay: nothing to take off; one node: no tunnel
+        a, b = wg.node, wg.peers[0]
+        names = [n.name for n in self.plan.nodes]
+
+        def ping(count: int, interval: float) -> list[float]:
+            return self.ping(names[a], names[b], count=count, interval=interval)
+
+        cal = calibrate_or_warn(client, (a, b), names, ping)
+        if cal is not None:
+            self.state.tunnel_latency_us = cal.latency_us
+            save(self.state)
+            progress(
+                f"tunnels calibrated on {cal.pair[0]}-{cal.pair[1]}: {cal.latency_us:.0f} µs "
+                f"a hop taken off (last round {cal.residual_ms:+.2f} ms)"
+            )
+        return cal
+
+    def _tunnel_allowance_us(self) -> float:
+        return WG_USERSPACE_LATENCY_US if self.state.wireguard == "userspace" else 0.0
+
+    @property
+    def tunnel_allowance_us(self) -> float:
+        """µs the emulator takes off each tunnel hop now: calibrated, else the default."""
+        cal = self.state.tunnel_latency_us
+        return self._tunnel_allowance_us() if cal is None else cal
+
+    def ping(
+        self, src: str, dst: str, *, count: int = 10, interval: float = 0.05, timeout: float = 2.0
+    ) -> list[float]:
+        """RTTs (ms) of ``count`` pings from ``src`` to ``dst``'s overlay address that came
+        back; lost pings are simply missing."""
+        argv = ["ping", "-n", "-c", str(count), "-i", str(interval), "-W", str(timeout)]
+        proc = self.run(src, [*argv, self.overlay_ip(dst)], timeout=count * interval + timeout + 10)
+        return [float(x) for x in re.findall(r"time=([\d.]+) ms", proc.stdout)]
 
     def _track(self, role: str, pid: int, netns: str | None, log: Path | None) -> None:
         self.state.procs.append(ProcState(role, pid, netns, str(log) if log else None))
@@ -272,7 +316,7 @@ class Lab:
     def _start_emulator(self) -> None:
         plan = self.plan
         directory = lab_dir(plan.lab_id)
-        latency = WG_USERSPACE_LATENCY_US if self.state.wireguard == "userspace" else 0.0
+        latency = self._tunnel_allowance_us()
         spec = EmulatorSpec(
             lab=plan.lab_id,
             control=str(directory / "emu.sock"),
@@ -792,6 +836,7 @@ def lab_status(lab: Lab, *, stats: bool = False) -> dict[str, Any]:
             "mode": st.broker_mode,
         },
         "build_s": st.build_s,
+        "tunnel_latency_us": st.tunnel_latency_us,
         "processes": procs_out,
         "rss_mb": round(rss_kb / 1024, 1),
         "nodes": nodes,

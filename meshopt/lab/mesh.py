@@ -9,7 +9,6 @@ what it installed, so a route that did not take effect shows as such.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import statistics
 import subprocess
@@ -246,22 +245,7 @@ class LiveMesh:
         self, src: str, dst: str, *, count: int = 10, interval: float = 0.05, timeout: float = 2.0
     ) -> list[float]:
         """RTTs (ms) of the replies that came back; lost pings are simply missing."""
-        proc = self.lab.run(
-            src,
-            [
-                "ping",
-                "-n",
-                "-c",
-                str(count),
-                "-i",
-                str(interval),
-                "-W",
-                str(timeout),
-                self.lab.overlay_ip(dst),
-            ],
-            timeout=count * interval + timeout + 10,
-        )
-        return [float(x) for x in re.findall(r"time=([\d.]+) ms", proc.stdout)]
+        return self.lab.ping(src, dst, count=count, interval=interval, timeout=timeout)
 
     def median_rtt(self, src: str, dst: str, count: int = 10) -> float | None:
         rtts = self.ping(src, dst, count=count)

@@ -66,6 +66,8 @@ class LabState(msgspec.Struct):
     # "secure": TLS, a password and certificate per identity, an ACL (the default);
     # "insecure": anonymous, plain MQTT (--insecure-broker, for debugging); "none".
     broker_mode: str = "insecure"  # what labs made before the mode existed ran
+    # µs the emulator takes off each tunnel hop, as calibrated at ``up`` (None: not done)
+    tunnel_latency_us: float | None = None
 
     def pid_of(self, role: str) -> int | None:
         for p in self.procs:

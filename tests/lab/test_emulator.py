@@ -214,6 +214,9 @@ def test_bad_control_requests_get_errors_and_change_nothing(shared_underlay: Und
         b'{"op": "set", "pairs": [[0, 1]], "delay": 7}',
         b'{"op": "node", "node": "nobody", "up": false}',
         b'{"op": "node", "node": 0, "up": "no"}',
+        b'{"op": "tunnel", "latency_us": -1}',
+        b'{"op": "tunnel", "latency_us": 1e9}',
+        b'{"op": "tunnel"}',
     ]
     for line in bad:
         with pytest.raises(EmulatorError):
@@ -222,6 +225,10 @@ def test_bad_control_requests_get_errors_and_change_nothing(shared_underlay: Und
     params = u.client.params()
     assert params["delay_ms"][0][1] == 3.0  # the half-valid set was refused as a whole
     assert params["up"] == [True, True, True]
+    tunnel = params["tunnel_latency_us"]
+    u.client.tunnel_latency(tunnel + 10.0)
+    assert u.client.params()["tunnel_latency_us"] == tunnel + 10.0
+    u.client.tunnel_latency(tunnel)
     # A second client works concurrently with the first.
     with EmulatorClient(u.spec.control) as other:
         assert other.ping()["ok"]

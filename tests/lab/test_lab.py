@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from meshopt.lab.emulator import EmulatorClient
 from meshopt.lab.lab import Lab
 from meshopt.lab.netns import list_netns
 from meshopt.lab.plan import WG_MTU
@@ -121,6 +122,35 @@ def test_rtt_through_wireguard(fresh: Lab, delay_ms: float) -> None:
     assert r.received >= 95
     median = statistics.median(r.rtts)
     assert abs(median - 2 * delay_ms) <= rtt_tolerance(2 * delay_ms), (delay_ms, median)
+
+
+@pytest.mark.parametrize("wrong_us", [0.0, 1500.0])
+def test_calibration_makes_the_overlay_read_true_again(fresh: Lab, wrong_us: float) -> None:
+    """The tunnel allowance ``up`` fitted to this machine, spoiled on purpose (1.5 ms a
+    hop reads ~2.5 ms short at 10 ms), is fitted again; n1-n2 (5 ms) reads true."""
+    emu = fresh.emulator
+    assert isinstance(emu, EmulatorClient)
+    fitted = fresh.tunnel_allowance_us
+    assert fresh.state.tunnel_latency_us is not None  # ``up`` calibrated
+    emu.tunnel_latency(wrong_us)
+    try:
+        _ping(fresh, "n1", "n2", 1, 0.1)
+        if wrong_us > fitted + 500:
+            spoiled = statistics.median(_ping(fresh, "n1", "n2", 30, 0.01).rtts)
+            assert spoiled < 10.0 - 2 * rtt_tolerance(10.0), spoiled
+        cal = fresh.calibrate_tunnels()
+        assert cal is not None and fresh.state.tunnel_latency_us == cal.latency_us
+        assert emu.params()["tunnel_latency_us"] == cal.latency_us
+        r = _ping(fresh, "n1", "n2", 100, 0.01)
+        median = statistics.median(r.rtts)
+        assert abs(median - 10.0) <= rtt_tolerance(10.0), (cal, median)
+        # the pair it measured on is as it was: 5 ms one way, no jitter
+        params = emu.params()
+        assert params["delay_ms"][0][1] == params["delay_ms"][1][0] == 5.0
+        assert params["jitter_ms"][0][1] == 0.0
+    finally:
+        emu.tunnel_latency(fitted)
+        fresh.state.tunnel_latency_us = fitted
 
 
 def test_rate_through_wireguard(fresh: Lab) -> None:

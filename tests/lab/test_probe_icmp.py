@@ -65,7 +65,7 @@ def test_icmp_rtt_through_wireguard_matches_the_configured_delay(quiet: Lab) -> 
     rtt = 2 * DELAY_MS
     assert abs(r["median_ms"] - rtt) <= rtt_tolerance(rtt), r
     # The delay is really in the path: no faster than the emulator can make it.
-    floor = emulated_floor_ms(rtt, userspace=quiet.state.wireguard == "userspace")
+    floor = emulated_floor_ms(rtt, tunnel_latency_us=quiet.tunnel_allowance_us)
     assert r["min_ms"] >= floor, (floor, r)
 
 

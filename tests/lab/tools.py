@@ -42,23 +42,20 @@ def rtt_tolerance(rtt_ms: float) -> float:
     return max(0.5, 0.03 * rtt_ms)
 
 
-def emulated_floor_ms(rtt_ms: float, *, userspace: bool) -> float:
+def emulated_floor_ms(rtt_ms: float, *, tunnel_latency_us: float) -> float:
     """The least RTT the emulator can give a path configured at ``rtt_ms``.
 
     Per direction it holds a packet for the delay minus what it expects the hops around
-    it to add (wireguard-go's latency, its own TUN read) and may release EARLY_S early.
-    On a busy machine whose CPUs never sleep those hops are faster than on an idle one,
-    and a ping can read up to that much under the configured RTT (CI: 9.44 ms at 10).
+    it to add (the tunnel allowance the lab calibrated, its own TUN read) and may release
+    EARLY_S early. On a busy machine whose CPUs never sleep those hops are faster than
+    on an idle one, and a ping can read up to that much under the configured RTT.
     """
     import msgspec
 
     from meshopt.lab.emulator import EARLY_S, EmulatorSpec
-    from meshopt.lab.lab import WG_USERSPACE_LATENCY_US
 
     (read,) = (f for f in msgspec.structs.fields(EmulatorSpec) if f.name == "read_latency_us")
-    per_way_us = float(read.default) + EARLY_S * 1e6
-    if userspace:
-        per_way_us += WG_USERSPACE_LATENCY_US
+    per_way_us = float(read.default) + EARLY_S * 1e6 + tunnel_latency_us
     return rtt_ms - 2 * per_way_us / 1000.0
 
 
