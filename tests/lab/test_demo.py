@@ -66,12 +66,20 @@ def test_demo_relays_the_bad_pairs_and_routes_around_changes(demo_tools: None) -
     by_pair = {(q["src"], q["dst"]): q for q in rep["quality"]}
     assert len(by_pair) == 30
     # The three detours the topology file describes (40, 35 and 45 ms one way direct):
-    # relayed, and pings through the mesh within 5 % (+ 1 ms of VM noise) of the optimum.
+    # relayed through the optimum's relay, as read from the nodes; and pings through the
+    # mesh take it: within 5 % (+ 1 ms of VM noise) of its two hops pinged beside them
+    # (how fast this machine carries the lab's tunnels while the mesh runs: CI once read
+    # a direct fra->ams at 9.41 ms against 8; the lab's fidelity is test_lab's to judge),
+    # and far under the direct tunnel.
     for a, b in [("lon", "waw"), ("par", "waw"), ("mad", "waw")]:
         for q in (by_pair[a, b], by_pair[b, a]):
-            assert len(q["path"]) == 3, q
+            assert q["path"] == q["optimum_path"] and len(q["path"]) == 3, q
+            src, relay, dst = q["path"]
+            first, second = by_pair[src, relay], by_pair[relay, dst]
+            assert first["path"] == [src, relay] and second["path"] == [relay, dst]
+            hops_ms = first["achieved_ms"] + second["achieved_ms"]
             assert q["achieved_ms"] is not None, q
-            assert q["achieved_ms"] <= q["optimum_ms"] * 1.05 + 1.0, q
+            assert q["achieved_ms"] <= hops_ms * 1.05 + 1.0, (q, hops_ms)
             assert q["achieved_ms"] < 0.7 * q["direct_ms"], q
     # Every pair gets through; no relay makes a pair slower than its direct tunnel. (A
     # pair on its direct tunnel is on it by the path read from the nodes, counted in
