@@ -20,7 +20,9 @@ link by ~33 ms. :class:`RttEstimator` is the same EWMA over *accepted* samples o
 * ``confirm`` consecutive outlier groups that agree with each other (within
   ``agree_rel`` of their offset, or a few scales) are a real change (a new path, a
   congested link): the estimate restarts at their median. At the prober's 0.33 s that
-  is the third sample after a step, ~1 s: the degradation goal. Independent spikes
+  is the third sample after a step, ~1 s: the degradation goal. A link the probe
+  budget probes slowly is probed at that rate too while outliers wait
+  (:attr:`RttEstimator.confirming`). Independent spikes
   (100-300 ms) seldom agree; twice ``confirm`` outlier groups in a row restart it
   anyway (the link's spread grew, and σ must follow);
 * nothing is rejected during the first ``warmup`` samples (no scale is known yet);
@@ -327,6 +329,13 @@ class RttEstimator:
     def srtt_ms(self) -> float | None:
         """The robust estimate: the EWMA of accepted samples."""
         return self._srtt
+
+    @property
+    def confirming(self) -> bool:
+        """Outlier groups wait for more to confirm them as a change (or for a normal
+        sample to dismiss them): the prober then probes a slow link fast, so a step on
+        an idle link is confirmed in ~1 s, not in ``confirm`` idle intervals."""
+        return bool(self._pending)
 
     @property
     def mean_ms(self) -> float | None:

@@ -47,7 +47,10 @@ Every peer starts at the config's rate. :meth:`Prober.set_rates` gives peers the
 (:mod:`meshopt.probe.budget`: links in use fast, idle ones slowly); ``dead_after_s``
 and the two-unanswered-probes rule above then apply per peer, with its own interval and
 dead time, and a peer whose rate changes counts silence afresh from probes sent at the
-new rate. A peer promoted to a faster class is probed at once. Slower peers' sends
+new rate. A peer promoted to a faster class is probed at once. A slow peer whose
+estimator has outliers waiting for confirmation (a step, or a spike) is probed at the
+config's rate until they are confirmed or dismissed (``RttEstimator.confirming``).
+Slower peers' sends
 land on a 50 ms grid (one wake-up carries many probes), any tick also sends the probes
 due within ``COALESCE_S`` (15 ms) after it (early, never late, and never a peer twice
 in one tick), and the schedule is kept in heaps, so a wake-up costs O(log n) per due
@@ -444,6 +447,15 @@ class Prober:
             peer.next_send = self._snap(peer, peer.last_sent + rate.interval_s)
         self._push_send(peer)
 
+    def _interval(self, peer: _Peer) -> float:
+        """The peer's send interval: its rate's, or the fast one while its estimator
+        has outliers waiting for confirmation."""
+        interval = peer.rate.interval_s
+        fast = self.config.interval_s
+        if interval > fast and peer.window.estimator.confirming:
+            return fast
+        return interval
+
     def _phase(self, name: str) -> float:
         """Where in its interval ``name`` is probed, in [0, 1): fixed per peer, and
         different for each prober (so a node's peers do not all probe it at once)."""
@@ -451,7 +463,7 @@ class Prober:
 
     def _snap(self, peer: _Peer, t: float) -> float:
         """Slow peers' sends on a shared grid (many probes per wake-up); fast ones as is."""
-        if peer.rate.interval_s <= self.config.interval_s:
+        if self._interval(peer) <= self.config.interval_s:
             return t
         return math.ceil(t / GRID_S) * GRID_S
 
@@ -644,7 +656,7 @@ class Prober:
             if not self._current(peer) or peer.next_send != at:
                 heapq.heappop(sends)
                 continue
-            interval = peer.rate.interval_s
+            interval = self._interval(peer)
             if at > due and at > now + interval / 4:
                 break  # a fast peer is not probed twice in one tick
             heapq.heappop(sends)
@@ -784,6 +796,15 @@ class Prober:
             self.counters["early_reply"] += 1
             return
         peer.window.add_reply(seq, rtt_ns / 1e6, arrived)
+        fast = self.config.interval_s
+        if peer.rate.interval_s > fast and peer.window.estimator.confirming:
+            # A slow (idle) link read an outlier: probe it fast until the estimator
+            # confirms the change or dismisses it (a step confirmed in ~1 s, not ~6 s).
+            last = peer.last_sent if peer.last_sent is not None else now
+            soon = max(now, last + fast)
+            if soon < peer.next_send:
+                peer.next_send = soon
+                self._push_send(peer)
 
     def _replied(self, peer: _Peer, now: float) -> None:
         peer.last_reply = now

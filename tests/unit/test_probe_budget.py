@@ -245,9 +245,11 @@ class Harness:
     """A prober on a fake clock whose probes reach a loopback socket read by the test."""
 
     answer: Callable[[str, float], bool] = lambda name, now: True
+    rtt_ms: Callable[[str, float], float] = lambda name, now: 0.1
     now: float = 1000.0
     events: list[tuple[str, bool, float]] = field(default_factory=list)
     sent: list[tuple[str, float]] = field(default_factory=list)
+    replies: list[tuple[float, bytes, int]] = field(default_factory=list)  # (due, reply, rx_ns)
 
     def __post_init__(self) -> None:
         self.rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -288,9 +290,18 @@ class Harness:
                 name = pending.peer.target.name
                 self.sent.append((name, self.now))
                 if self.answer(name, self.now):
+                    rtt_s = self.rtt_ms(name, self.now) / 1000.0
                     reply = encode(reply_to(request, 0))
-                    rx_ns = request.send_ns + 100_000  # 0.1 ms round trip
+                    # under 1 ms: answered in the tick it was sent (the prober's slack)
+                    due = self.now if rtt_s <= 0.001 else self.now + rtt_s
+                    self.replies.append((due, reply, request.send_ns + round(rtt_s * 1e9)))
+            waiting = []
+            for due, reply, rx_ns in self.replies:
+                if due <= self.now + 1e-9:
                     self.prober._handle(reply, ("127.0.0.1", 0), rx_ns, self.now)
+                else:
+                    waiting.append((due, reply, rx_ns))
+            self.replies = waiting
 
     def _drain(self) -> Iterator[bytes]:
         while True:
@@ -457,6 +468,51 @@ def test_a_promoted_peer_is_not_judged_on_the_slow_probe_it_missed(harness: Harn
     assert (name, alive) == ("p", False)
     # Two fast probes unanswered, the first dead_after - interval before: 0.47 s.
     assert at - promoted_at == pytest.approx(0.8 - 0.33 + 0.01, abs=0.011)
+
+
+def test_an_idle_link_that_steps_is_probed_fast_until_the_step_is_confirmed(
+    harness: Harness,
+) -> None:
+    """10 ms -> 50 ms on an idle link: the first idle probe that sees it is an outlier,
+    the next ones go every 0.33 s, the estimate moves ~1 s later (not 3 idle intervals),
+    then the link is probed every 2 s again."""
+    step_at = 1030.0
+    harness.rtt_ms = lambda name, now: 50.0 if now >= step_at else 10.0
+    harness.peers("p")
+    harness.prober.set_rates({"p": IDLE_2S})
+    harness.run(30.0)  # past the estimator's warm-up
+    estimator = harness.prober._peers["p"].window.estimator
+    assert estimator.srtt_ms == pytest.approx(10.0)
+    harness.run(4.0)
+    after = [t for t in harness.sends("p") if t >= step_at]
+    assert gaps(after[:4]) == [0.33, 0.33, 0.33]
+    assert estimator.srtt_ms == pytest.approx(50.0) and not estimator.confirming
+    assert after[2] - step_at <= 2.0 + 0.67 + 1e-6  # confirmed on the third sample
+    harness.run(6.0)
+    # one more fast probe was already due when the third reply confirmed it; then 2 s
+    later = [t for t in harness.sends("p") if t > after[3]]
+    assert len(later) >= 3 and all(g == pytest.approx(2.0, abs=GRID_S) for g in gaps(later))
+
+
+def test_an_idle_link_with_one_spike_is_probed_fast_once(harness: Harness) -> None:
+    spike_at: list[float] = []
+
+    def rtt(name: str, now: float) -> float:
+        if now >= 1030.0 and not spike_at:
+            spike_at.append(now)
+            return 250.0
+        return 10.0
+
+    harness.rtt_ms = rtt
+    harness.peers("p")
+    harness.prober.set_rates({"p": IDLE_2S})
+    harness.run(40.0)
+    estimator = harness.prober._peers["p"].window.estimator
+    assert estimator.srtt_ms == pytest.approx(10.0) and estimator.outliers == 1
+    after = [t for t in harness.sends("p") if t >= spike_at[0]]
+    # the fast probe that dismissed it, and the one already due when it did; then 2 s
+    assert gaps(after[:3]) == [0.33, 0.33]
+    assert len(after) >= 6 and all(g == pytest.approx(2.0, abs=GRID_S) for g in gaps(after[2:]))
 
 
 def test_a_slower_rate_of_the_same_class_keeps_phases(harness: Harness) -> None:
