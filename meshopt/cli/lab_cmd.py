@@ -235,6 +235,31 @@ def set_cmd(name: str, change: tuple[str, ...]) -> None:
     click.echo(f"lab {lab.plan.name}: {event.text.removeprefix('at=0 ')}")
 
 
+@lab_group.command("calibrate")
+@click.argument("name")
+def calibrate_cmd(name: str) -> None:
+    """Fit the lab's tunnel allowance to the machine as it is now.
+
+    What wireguard-go adds to each tunnel hop moves with the machine's load. `lab up`
+    fits it once; after starting or stopping other work, calibrate again so overlay
+    pings read the configured RTT.
+    """
+    from meshopt.lab.lab import Lab
+
+    lab = Lab.attach(name)
+    cal = lab.calibrate_tunnels()
+    if cal is None:
+        raise InputError(
+            f"lab {lab.plan.name}: nothing calibrated (netem underlay, one node, or no "
+            "reply through the tunnel: see the warning above)"
+        )
+    click.echo(
+        f"lab {lab.plan.name}: {cal.latency_us:.0f} µs a tunnel hop taken off "
+        f"(measured on {cal.pair[0]}-{cal.pair[1]}, {cal.rounds} rounds, last "
+        f"{cal.residual_ms:+.2f} ms)"
+    )
+
+
 @lab_group.command("down")
 @click.argument("name", required=False)
 @click.option("--all", "everything", is_flag=True, help="Every lab, and leftovers of crashes.")

@@ -73,6 +73,12 @@ def test_cli_up_status_exec_set_graph_down(lab_ok: None, tmp_path: Path) -> None
         r = ping_from(status_now["nodes"][0]["netns"], "172.31.0.4", 3, 0.05)
         assert min(r.rtts) >= 119, r.rtts
 
+        calibrated = meshopt("lab", "calibrate", name)
+        assert calibrated.returncode == 0, calibrated.stderr
+        allowance = json.loads(meshopt("lab", "status", name, "--json").stdout)
+        assert f"{allowance['tunnel_latency_us']:.0f} µs a tunnel hop" in calibrated.stdout
+        _one_line_error(meshopt("lab", "calibrate", "no-such-lab"), "no lab named", code=3)
+
         _one_line_error(meshopt("lab", "set", name, "n1-zz", "delay=1ms"), "unknown node 'zz'")
         _one_line_error(meshopt("lab", "set", name, "n1-n4", "delay=fast"), "bad delay")
         _one_line_error(meshopt("lab", "exec", name, "zz", "--", "true"), "unknown node 'zz'")

@@ -16,7 +16,7 @@ import pytest
 from meshopt.lab.lab import Lab
 from meshopt.lab.plan import WG_MTU
 
-from .tools import emulated_floor_ms, rtt_tolerance
+from .tools import calibrate_now, emulated_floor_ms, rtt_tolerance
 
 pytestmark = pytest.mark.lab
 
@@ -60,6 +60,7 @@ def probe(lab: Lab, *args: str) -> dict[str, Any]:
 
 
 def test_icmp_rtt_through_wireguard_matches_the_configured_delay(quiet: Lab) -> None:
+    calibrate_now(quiet)
     r = probe(quiet, "ping", quiet.overlay_ip("n2"), "50", "0.01", "1.0")
     assert r["sent"] == 50 and r["received"] >= 48, r
     rtt = 2 * DELAY_MS

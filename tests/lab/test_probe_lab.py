@@ -20,7 +20,7 @@ import pytest
 
 from meshopt.lab.lab import Lab
 
-from .tools import need_tools, ping_from, rtt_tolerance
+from .tools import calibrate_now, need_tools, ping_from, rtt_tolerance
 
 pytestmark = pytest.mark.lab
 
@@ -70,6 +70,7 @@ def prober_argv(lab: Lab, *extra: str) -> list[str]:
 
 def test_probe_rtt_matches_the_emulated_rtt(quiet: Lab, responder: subprocess.Popen[str]) -> None:
     need_tools("ping")
+    calibrate_now(quiet)
     # ping (kernel-answered ICMP) on the same path at the same time, for comparison
     ping = quiet.popen(
         "n1",
