@@ -297,11 +297,15 @@ class Prober:
         config: ProbeConfig | None = None,
         *,
         on_change: Callable[[str, bool], None] | None = None,
+        on_step: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config if config is not None else ProbeConfig()
         self._clock = clock  # injected by tests that drive the schedule by hand
         self.on_change = on_change
+        # Called with the peer's name when its estimator confirms a change of level (a
+        # step): the agent tells the controller at once instead of at its next check.
+        self.on_step = on_step
         self.nonce = os.urandom(NONCE_BYTES)
         self.timer_error = TimerError()
         self.counters: dict[str, int] = {
@@ -795,9 +799,13 @@ class Prober:
             # estimate of an 80 ms tunnel).
             self.counters["early_reply"] += 1
             return
+        estimator = peer.window.estimator
+        steps = estimator.changes
         peer.window.add_reply(seq, rtt_ns / 1e6, arrived)
+        if estimator.changes != steps and self.on_step is not None:
+            self.on_step(peer.target.name)
         fast = self.config.interval_s
-        if peer.rate.interval_s > fast and peer.window.estimator.confirming:
+        if peer.rate.interval_s > fast and estimator.confirming:
             # A slow (idle) link read an outlier: probe it fast until the estimator
             # confirms the change or dismisses it (a step confirmed in ~1 s, not ~6 s).
             last = peer.last_sent if peer.last_sent is not None else now

@@ -248,6 +248,7 @@ class Harness:
     rtt_ms: Callable[[str, float], float] = lambda name, now: 0.1
     now: float = 1000.0
     events: list[tuple[str, bool, float]] = field(default_factory=list)
+    steps: list[tuple[str, float]] = field(default_factory=list)  # on_step calls
     sent: list[tuple[str, float]] = field(default_factory=list)
     replies: list[tuple[float, bytes, int]] = field(default_factory=list)  # (due, reply, rx_ns)
 
@@ -258,6 +259,7 @@ class Harness:
         self.prober = Prober(
             ProbeConfig(port=self.rx.getsockname()[1]),
             on_change=lambda n, a: self.events.append((n, a, self.now)),
+            on_step=lambda n: self.steps.append((n, self.now)),
             clock=lambda: self.now,
         )
         self.prober._sock = open_udp_socket("::", 0)  # sends without an event loop
@@ -488,6 +490,8 @@ def test_an_idle_link_that_steps_is_probed_fast_until_the_step_is_confirmed(
     assert gaps(after[:4]) == [0.33, 0.33, 0.33]
     assert estimator.srtt_ms == pytest.approx(50.0) and not estimator.confirming
     assert after[2] - step_at <= 2.0 + 0.67 + 1e-6  # confirmed on the third sample
+    # ... and the agent is told when its reply came (to publish at once)
+    assert harness.steps == [("p", pytest.approx(after[2] + 0.05, abs=0.011))]
     harness.run(6.0)
     # one more fast probe was already due when the third reply confirmed it; then 2 s
     later = [t for t in harness.sends("p") if t > after[3]]
@@ -509,6 +513,7 @@ def test_an_idle_link_with_one_spike_is_probed_fast_once(harness: Harness) -> No
     harness.run(40.0)
     estimator = harness.prober._peers["p"].window.estimator
     assert estimator.srtt_ms == pytest.approx(10.0) and estimator.outliers == 1
+    assert harness.steps == []  # a spike is no step
     after = [t for t in harness.sends("p") if t >= spike_at[0]]
     # the fast probe that dismissed it, and the one already due when it did; then 2 s
     assert gaps(after[:3]) == [0.33, 0.33]
