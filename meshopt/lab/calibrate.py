@@ -45,10 +45,10 @@ class Calibration:
 Pinger = Callable[[int, float], list[float]]  # (count, interval) -> RTTs in ms
 
 
-def next_latency_us(rtt_median_ms: float, one_way_ms: float, current_us: float) -> float:
-    """The allowance that would have made the measured RTT the configured one."""
-    error_us = (rtt_median_ms - 2.0 * one_way_ms) * 1000.0 / 2.0
-    return min(max(current_us + error_us, 0.0), MAX_LATENCY_US)
+def next_latency_us(residual_ms: float, current_us: float) -> float:
+    """The allowance that would have made an RTT ``residual_ms`` over the configured one
+    read true (half of it a direction)."""
+    return min(max(current_us + residual_ms * 1000.0 / 2.0, 0.0), MAX_LATENCY_US)
 
 
 def calibrate(
@@ -74,7 +74,7 @@ def calibrate(
                 return None
             rounds += 1
             residual = statistics.median(rtts) - 2.0 * ONE_WAY_MS
-            latency = next_latency_us(residual + 2.0 * ONE_WAY_MS, ONE_WAY_MS, latency)
+            latency = next_latency_us(residual, latency)
             emu.tunnel_latency(latency)
             if abs(residual) <= SETTLED_MS:
                 break

@@ -804,8 +804,8 @@ class Prober:
         peer.window.add_reply(seq, rtt_ns / 1e6, arrived)
         if estimator.changes != steps and self.on_step is not None:
             self.on_step(peer.target.name)
-        fast = self.config.interval_s
-        if peer.rate.interval_s > fast and estimator.confirming:
+        fast = self._interval(peer)
+        if fast < peer.rate.interval_s:
             # A slow (idle) link read an outlier: probe it fast until the estimator
             # confirms the change or dismisses it (a step confirmed in ~1 s, not ~6 s).
             last = peer.last_sent if peer.last_sent is not None else now
