@@ -46,7 +46,13 @@ from meshopt.agent.plan import (
 )
 from meshopt.agent.probeaddr import probe_address
 from meshopt.agent.state import AgentState, load_state, save_state
-from meshopt.agent.telemetry import Cadence, Capacity, peer_report, signed_telemetry
+from meshopt.agent.telemetry import (
+    TELL_GAP_S,
+    Cadence,
+    Capacity,
+    peer_report,
+    signed_telemetry,
+)
 from meshopt.agent.wgquick import warn_save_config
 from meshopt.bus.client import BusClient
 from meshopt.bus.messages import Counters, PeerReport, RouteSet
@@ -72,7 +78,6 @@ log = logging.getLogger("meshopt.agent")
 
 # How long an existing interface that does not answer keeps its last WireGuard reading.
 UNREADABLE_GRACE_S = 30.0
-TELL_GAP_S = 0.2  # the least time between two telemetry messages told early (a step)
 
 # The agent's MQTT keepalive. At the bus's default (4 s) a VM stall of 3 s read as a dead
 # node (seen in the lab): a keepalive ping was in flight when the process stopped, and on

@@ -156,6 +156,12 @@ def significant(
     return any(peer_changed(old[k], n, cfg) for k, n in new.items())
 
 
+# The least time between two telemetry messages told early: when a link's estimator
+# confirms a step the agent publishes at once rather than at its next check (the agent's
+# telemetry loop; the simulator models the same rule).
+TELL_GAP_S = 0.2
+
+
 def full_interval(peers: int, cfg: TelemetrySettings) -> float:
     """Seconds between full snapshots for ``peers`` peers.
 

@@ -43,6 +43,11 @@ from meshopt.units import parse_duration_s
 )
 @click.option("--no-backups", is_flag=True, help="No backup next hops (no local fail-over).")
 @click.option("--no-policy", is_flag=True, help="Install every new optimum (no anti-flap).")
+@click.option(
+    "--no-budget",
+    is_flag=True,
+    help="Probe every link at the probe period (the agents' probe.budget = false).",
+)
 @routing_options
 @json_option
 def sim_cmd(
@@ -54,11 +59,14 @@ def sim_cmd(
     recompute: str | None,
     no_backups: bool,
     no_policy: bool,
+    no_budget: bool,
     symmetric: bool,
     relay_cost: str,
     as_json: bool,
 ) -> None:
     """Simulate probing, the metric, the anti-flap policy and routing over time."""
+    from dataclasses import replace
+
     from meshopt.policy import PolicyConfig
     from meshopt.sim.engine import SimConfig, simulate
     from meshopt.sim.events import parse_event
@@ -78,10 +86,17 @@ def sim_cmd(
         metric=metric_from(relay_cost),
         policy=policy,
     )
+    if no_budget:
+        cfg = replace(cfg, budget=None)
     if cfg.duration_s <= 0 or cfg.probe_interval_s <= 0:
         raise InputError("--duration and --probe-interval must be > 0")
     if cfg.recompute_s is not None and cfg.recompute_s <= 0:
         raise InputError("--recompute must be > 0")
+    if cfg.probe_interval_s >= cfg.dead_after_s:
+        raise InputError(
+            f"--probe-interval must be below the agents' dead time ({cfg.dead_after_s:g} s):"
+            " a peer would be declared dead between two probes"
+        )
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 

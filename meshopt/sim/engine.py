@@ -9,13 +9,18 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    as in topology files and the lab's shaper; losses from its loss) and fed to the
    agents' estimator (:class:`meshopt.sim.estimator.LinkEstimator`, the agent's
    :mod:`meshopt.estimate` rules vectorised, robust outlier rule included) and the
-   prober's window (loss and samples over the last 64 probes). A peer that has not
-   answered for ``dead_after_s`` (0.8 s) is declared dead at that moment, as the
-   prober's timer does; an agent not started yet neither probes nor answers;
+   prober's window (loss and samples over the last 64 probes). With the probe budget
+   (``budget``, on as in the agent: :mod:`meshopt.sim.budget`) a link that relays
+   nothing, 30 s after its agent's routes last moved, is probed only every idle
+   interval (2 s), and fast again while its estimator has outliers to confirm. A peer
+   that has not answered for its class's dead time (0.8 s in use, 4.84 s idle) is
+   declared dead at that moment, as the prober's timer does; an agent not started yet
+   neither probes nor answers;
 3. each agent checks its telemetry every second (the agent's ``check_interval_s``): the
    peers whose report moved by the agent's own rule
    (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
-   snapshot every :func:`~meshopt.agent.telemetry.full_interval`;
+   snapshot every :func:`~meshopt.agent.telemetry.full_interval`; a step its estimator
+   confirms goes out at once (at most every ``TELL_GAP_S``), as the agent tells it;
 4. the controller recomputes after its debounce once input arrived and its warm-up rule
    passes (:func:`meshopt.controller.view.warmed_up`): the agents' last telemetry priced
    by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
@@ -62,9 +67,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import numpy.typing as npt
 
-from meshopt.agent.config import ProbeSettings, TelemetrySettings
+from meshopt.agent.config import ProbeSettings, TelemetrySettings, probe_budget_config
 from meshopt.agent.plan import next_hop_in_use
-from meshopt.agent.telemetry import full_interval, reports_moved
+from meshopt.agent.telemetry import TELL_GAP_S, full_interval, reports_moved
 from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import RouteEngine, startup_policy
 from meshopt.controller.view import Matrices, link_matrices, warmed_up
@@ -73,9 +78,11 @@ from meshopt.estimate import RobustConfig
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig
+from meshopt.probe.budget import BudgetConfig
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
 from meshopt.routing.tables import IntArray, reduce_paths
+from meshopt.sim.budget import LinkBudget
 from meshopt.sim.estimator import BoolArray, LinkEstimator
 from meshopt.sim.events import Event, check_events
 from meshopt.sim.report import EventResult, GainSummary, SimPerf, SimReport, summarize_gains
@@ -84,6 +91,10 @@ from meshopt.topology.model import Topology
 
 def _controller_defaults() -> ControllerConfig:
     return ControllerConfig(mesh="sim", id="sim", signing_key="")
+
+
+def _budget_defaults() -> BudgetConfig | None:
+    return probe_budget_config(ProbeSettings())
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,8 @@ class SimConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     controller: ControllerConfig = field(default_factory=_controller_defaults)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+    # The agents' probe budget (meshopt.sim.budget); None: every link probed fast.
+    budget: BudgetConfig | None = field(default_factory=_budget_defaults)
 
     def recompute_gap(self, n: int) -> float:
         if self.recompute_s is not None:
@@ -582,6 +595,14 @@ def simulate(
     gap = cfg.recompute_gap(n)
     off = ~np.eye(n, dtype=bool)
     tunnel = topo.tunnels & off
+    budget = (
+        None
+        if cfg.budget is None
+        else LinkBudget.start(
+            replace(cfg.budget, fast_interval_s=interval, fast_dead_after_s=cfg.dead_after_s),
+            tunnel,
+        )
+    )
     installed = _direct(topo)
     backups: _Backups | None = None
     to_install: list[tuple[float, Installed, _Backups | None]] = []
@@ -630,22 +651,36 @@ def simulate(
             next_round += interval
             up = boot <= sent_at
             probed = tunnel & up[:, None]
+            some = False  # the budget left some links out of this round
+            if budget is not None:
+                budget.classify(sent_at)
+                due = budget.due(sent_at, interval, est.confirming())
+                some = bool((tunnel & ~due).any())
+                probed &= due
             # jitter is the standard deviation of the delay (as in topology files and the
             # lab's shaper): normal noise around the configured RTT, never below zero.
             noise = rng.standard_normal((n, n)) * truth.sigma
             lost = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
             sample = np.maximum(truth.rtt + noise, 0.0)
-            every = bool(up.all())  # every agent runs: no mask to apply (the common case)
+            every = bool(up.all()) and not some  # every link probed: no mask to apply
             est.update(sample, lost, None if every else probed)
             got = probed & ~lost
             agents.probe(None if every else probed, got, sent_at + sample / 1000.0)
+            if budget is not None:
+                budget.sent(probed, sent_at)
+            if est.stepped:  # a confirmed step: the agent tells at once (TELL_GAP_S apart)
+                rows = np.unique([i for i, _ in est.stepped])
+                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
+                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
             if (got & dead).any():  # a dead peer answered: alive again at once
                 flips.append(np.flatnonzero((got & dead).ravel()))
                 dead = dead & ~got
             # Only a link that did not answer this round can be declared dead before the
             # next one (dead_after_s exceeds the probe interval): its timer is watched.
             waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())
-            dead_at = agents.last_reply.ravel()[waiting] + cfg.dead_after_s
+            dead_at = agents.last_reply.ravel()[waiting] + (
+                cfg.dead_after_s if budget is None else budget.dead_after(waiting)
+            )
         if waiting.size:
             due = dead_at <= now + 1e-9
             if due.any():
@@ -704,6 +739,8 @@ def simulate(
         while to_install and to_install[0][0] <= now + 1e-9:
             _, installed, backups = to_install.pop(0)
             fresh_routes = True
+            if budget is not None:
+                budget.routes(installed.next_hop, now)
 
         t0 = clock()
         cols: IntArray | None = None
@@ -749,6 +786,7 @@ def simulate(
         rounds=steps,
         recomputes=recomputes,
         backup_computations=backup_computations,
+        probes_sent=int(agents.sent[tunnel].sum()),
         wall_per_simulated_s=runtime / cfg.duration_s,
         phase_s=phase,
     )

@@ -81,6 +81,9 @@ class LinkEstimator:
         self.pending: npt.NDArray[np.int32] = np.empty((0, 0), dtype=np.int32)
         self.pending_values: FloatArray = np.empty((0, 0, 0))
         self.outliers: npt.NDArray[np.int64] = np.empty((0, 0), dtype=np.int64)
+        # Links whose outliers the last update confirmed as a change (the prober's
+        # on_step: the agent then tells the controller at once).
+        self.stepped: list[tuple[int, int]] = []
 
     @property
     def _checks_warm_up(self) -> bool:
@@ -103,6 +106,7 @@ class LinkEstimator:
         """One probe round: ``sample`` RTTs (ignored where ``lost``); ``probed``: only
         those links sent a probe (an agent not started yet sends none), the rest stay."""
         cfg = self.robust
+        self.stepped = []
         if probed is not None:
             lost = lost & probed
         got = ~lost if probed is None else ~lost & probed
@@ -168,6 +172,7 @@ class LinkEstimator:
         self.samples[i, j] = k
         self.var[i, j] = sigma * sigma * self._var_gain[min(k, _TABLE - 1)]
         self.pending[i, j] = 0
+        self.stepped.append((i, j))
 
     def _maybe_far(self, values: FloatArray) -> BoolArray:
         """Rows of warm-up samples in which :func:`~meshopt.estimate.warm_up_restart` may
@@ -213,6 +218,11 @@ class LinkEstimator:
         samples = self.samples if rows is None else self.samples[rows]
         share = self._share[np.minimum(samples, _TABLE - 1)]
         return np.asarray(self.jitter_rows(rows) * np.sqrt(share))
+
+    def confirming(self) -> BoolArray:
+        """Links with outliers waiting to be confirmed or dismissed
+        (:attr:`meshopt.estimate.RttEstimator.confirming`): the prober probes them fast."""
+        return np.asarray(self.pending > 0)
 
     def dead(self) -> BoolArray:
         return np.asarray(self.misses >= self.dead_after)

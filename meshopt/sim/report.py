@@ -74,6 +74,7 @@ class SimPerf:
     rounds: int = 0  # time steps simulated (SimConfig.tick_s each)
     recomputes: int = 0  # controller decisions
     backup_computations: int = 0  # recomputes whose backups fail-over needed
+    probes_sent: int = 0  # by every agent, at the probe budget's rates
     wall_per_simulated_s: float = 0.0
     phase_s: dict[str, float] = field(default_factory=dict)
 

@@ -164,6 +164,18 @@ def test_sim_no_policy_flaps_more(capsys: pytest.CaptureFixture[str]) -> None:
     assert without["route_changes"] > with_policy["route_changes"]
 
 
+def test_sim_no_budget_probes_every_link_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    """--no-budget: the agents' probe.budget = false. A direct link without traffic found
+    dead 40 s after the start: 4.84 s with the budget (idle), 0.8 s without."""
+    args = ("sim", TRIANGLE, "--duration", "60s", "--probe-interval", "330ms")
+    event = ("--event", "at=45.5s link=a-c down")  # c->a is c's direct link: idle
+    budget = meshopt_json(capsys, *args, *event)
+    plain = meshopt_json(capsys, *args, *event, "--no-budget")
+    assert plain["perf"]["probes_sent"] > budget["perf"]["probes_sent"]
+    assert 0.8 - 0.33 <= plain["events"][0]["outage_s"] <= 0.9
+    assert 4.84 - 2.0 <= budget["events"][0]["outage_s"] <= 4.94
+
+
 # --- topology check ------------------------------------------------------------------------
 
 

@@ -47,6 +47,7 @@ CASES: list[tuple[str, ...]] = [
     ("sim", TRIANGLE, "--duration", "-5s"),
     ("sim", TRIANGLE, "--duration", "0"),
     ("sim", TRIANGLE, "--probe-interval", "0"),
+    ("sim", TRIANGLE, "--probe-interval", "1s"),
     ("sim", TRIANGLE, "--recompute", "0"),
     ("sim", TRIANGLE, "--event", "garbage"),
     ("sim", TRIANGLE, "--event", "at=1s link=a-zz down"),

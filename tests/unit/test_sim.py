@@ -8,8 +8,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from meshopt.agent.telemetry import TELL_GAP_S
 from meshopt.graph import topology_costs
 from meshopt.policy import PolicyConfig
+from meshopt.probe.budget import BudgetConfig
 from meshopt.routing import compute_routes
 from meshopt.sim.engine import SimConfig, simulate
 from meshopt.sim.estimator import LinkEstimator
@@ -28,12 +30,21 @@ DEAD = SimConfig().dead_after_s  # 0.8 s after the last reply, the prober's
 AT_ONCE: dict[str, Any] = {"boot_s": 0.0, "boot_spread_s": 0.0}
 FIRST = (1.0, 2.5)  # first routes installed within this, with AT_ONCE
 # A change probed at t is confirmed by the agent's robust estimator on its third outlier
-# (two more probes), told at its next 1 s check, decided after the 0.2 s debounce and
-# installed 0.05 s later.
-REACT = (2 * PROBE, 3 * PROBE + 1.0 + 0.2 + 0.05 + 0.1)
+# (two more probes), told at once (at most TELL_GAP_S after the agent's last message),
+# decided after the 0.2 s debounce and installed 0.05 s later.
+REACT = (2 * PROBE, 3 * PROBE + TELL_GAP_S + 0.2 + 0.05 + 0.1)
 # Local fail-over: the prober declares a peer dead 0.8 s after its last reply, which
 # came up to one probe interval before the failure.
 FAILOVER_S = (DEAD - PROBE, DEAD + 0.1)
+# The probe budget: 30 s after the last route set that moved its next hops an agent
+# probes a link that relays nothing every 2 s (every sixth 0.33 s round), and declares
+# it dead 4.84 s after its last reply. A change on such a link is seen by the first idle
+# probe after it, then confirmed at the fast rate.
+BUDGET = BudgetConfig()
+IDLE_ROUNDS = 6
+REACT_IDLE = (REACT[0], (IDLE_ROUNDS - 1) * PROBE + REACT[1])
+IDLE_DEAD = BUDGET.idle(BUDGET.idle_interval_s).dead_after_s
+FAILOVER_IDLE_S = (IDLE_DEAD - IDLE_ROUNDS * PROBE, IDLE_DEAD + 0.1)
 
 
 def mesh(
@@ -114,16 +125,22 @@ def test_pairs_without_a_tunnel_relay_from_the_first_recompute() -> None:
 DEGRADE = {"x-y": 10.0, "x-z": 8.0, "z-y": 8.0}
 
 
+@pytest.mark.parametrize("budget", [BUDGET, None])
 @pytest.mark.parametrize("at", [40.0, 40.5])
-def test_five_fold_delay_rise_moves_routes_in_the_agents_reaction_time(at: float) -> None:
+def test_five_fold_delay_rise_moves_routes_in_the_agents_reaction_time(
+    at: float, budget: BudgetConfig | None
+) -> None:
     topo = mesh("xyz", DEGRADE, default_ms=8.0)
-    r = run(topo, f"at={at}s link=x-y delay=50ms", duration_s=60.0)
+    r = run(topo, f"at={at}s link=x-y delay=50ms", duration_s=60.0, budget=budget)
     assert r.gains.relayed == 0  # before the event: everything direct
     ev = only_event(r)
     assert ev.outage_s == 0.0 and ev.broken_pairs == 0  # slower, never cut
     # Not in the round it happens: the robust estimator waits for its third outlier,
-    # the agent tells it at its next check, the controller decides after its debounce.
-    assert ev.converge_s is not None and REACT[0] <= ev.converge_s <= REACT[1]
+    # the agent tells it at once, the controller decides after its debounce. With the
+    # budget x-y is idle by 40 s (a direct link without traffic): seen by its next
+    # idle probe, then confirmed at the fast rate.
+    lo, hi = REACT if budget is None else REACT_IDLE
+    assert ev.converge_s is not None and lo <= ev.converge_s <= hi
     assert ev.suboptimal_pairs == 0
     assert ev.route_changes == 2  # x->y and y->x move to z; nothing else
     assert r.max_changes_pair == [("x", "y", 2)]
@@ -137,7 +154,8 @@ def test_europe_fra_waw_delay_rise_is_not_converged_in_zero_seconds(delay: str) 
     r = run(topo, f"at=40s link=fra-waw delay={delay}", duration_s=60.0)
     ev = only_event(r)
     assert ev.route_changes >= 2
-    assert ev.converge_s is not None and REACT[0] <= ev.converge_s <= REACT[1]
+    # fra-waw relays nothing (mad->waw relays at fra over mad-fra): idle by 40 s.
+    assert ev.converge_s is not None and REACT_IDLE[0] <= ev.converge_s <= REACT_IDLE[1]
     assert ev.suboptimal_pairs == 0
 
 
@@ -259,7 +277,8 @@ def test_an_events_convergence_is_not_held_up_by_earlier_stragglers() -> None:
         duration_s=110.0,
     )
     _, held, other = r.events
-    assert other.converge_s is not None and other.converge_s <= REACT[1]
+    # p-q relays nothing and p's and q's routes have not moved for 30 s: idle.
+    assert other.converge_s is not None and other.converge_s <= REACT_IDLE[1]
     assert other.route_changes >= 2 + 1  # p<->q, then a held entry ~30 s after its change
     assert other.suboptimal_pairs == 0  # by 110 s the stragglers are back too
     assert held.converge_s is None  # it never had the mesh to itself long enough ...
@@ -273,6 +292,35 @@ def test_link_down_event_cuts_and_restores() -> None:
     assert ev.broken_pairs == 2
     assert ev.outage_s is not None and FAILOVER_S[0] <= ev.outage_s <= FAILOVER_S[1]
     assert ev.suboptimal_pairs == 0
+
+
+@pytest.mark.parametrize("at", [50.0, 50.5, 51.0])
+def test_an_idle_link_is_found_dead_in_the_idle_dead_time(at: float) -> None:
+    """By 50 s the routes have held still for 30 s: x-y, a direct link without
+    traffic, is probed every 2 s and declared dead 4.84 s after its last reply (not
+    0.8 s), and x<->y then fail over to z. Without the budget: within FAILOVER_S."""
+    topo = mesh("xyz", DEGRADE, default_ms=8.0)
+    ev = only_event(run(topo, f"at={at}s link=x-y down", duration_s=70.0))
+    assert ev.broken_pairs == 2 and ev.suboptimal_pairs == 0
+    assert ev.outage_s is not None and FAILOVER_IDLE_S[0] <= ev.outage_s <= FAILOVER_IDLE_S[1]
+    fast = only_event(run(topo, f"at={at}s link=x-y down", duration_s=70.0, budget=None))
+    assert fast.outage_s is not None and FAILOVER_S[0] <= fast.outage_s <= FAILOVER_S[1]
+
+
+def test_a_relay_link_stays_fast_and_idle_links_cost_a_sixth() -> None:
+    """a<->b relay via c (triangle.yaml): a's and b's links to c are in use for good,
+    a-b and c's own links idle (c's links carry b->a and a->b onward, but the simulator
+    has no traffic that would make them in use). When c dies long after the start, a
+    and b find it dead in FAILOVER_S; the probes sent fall to what the classes say."""
+    topo = load_topology(str(TOPOLOGIES / "triangle.yaml"))
+    ev = only_event(run(topo, "at=70.5s node=c down", duration_s=80.0))
+    assert ev.broken_pairs == 2
+    assert ev.outage_s is not None and FAILOVER_S[0] <= ev.outage_s <= FAILOVER_S[1]
+    budget, plain = (run(topo, duration_s=120.0, budget=b).perf.probes_sent for b in (BUDGET, None))
+    # 6 directions; from ~35 s on: 2 of them (a->c, b->c) fast, 4 idle.
+    settled = 120.0 - 35.0
+    saved = 4 * settled / PROBE * (1 - 1 / IDLE_ROUNDS)
+    assert plain - budget == pytest.approx(saved, rel=0.1), (plain, budget)
 
 
 # --- stability and determinism ---------------------------------------------------------
