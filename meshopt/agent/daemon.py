@@ -36,7 +36,7 @@ from meshopt import sdnotify
 from meshopt.agent.config import AgentConfig, bulk_classifier, probe_budget_config
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.netstate import NetState, Sysctls
-from meshopt.agent.peers import PeerTracker
+from meshopt.agent.peers import PeerTracker, first_probe_delay
 from meshopt.agent.plan import (
     NodePlan,
     allowed_ips_updates,
@@ -516,7 +516,12 @@ class Agent:
             self._unbound |= len(r.addresses) < len(set(probes))
         self.addresses = own_prefixes_from(own)
         self.prober.set_targets(
-            Target(name=k, address=p.probe_address, scope=p.ifname)
+            Target(
+                name=k,
+                address=p.probe_address,
+                scope=p.ifname,
+                first_after_s=first_probe_delay(p),
+            )
             for k, p in self.tracker.peers.items()
         )
         self._plan_probes()  # new peers get their class before their first probe

@@ -101,3 +101,21 @@ class PeerTracker:
             self._last.pop(key, None)
         self.peers = seen
         return added, removed
+
+
+# What the end with the larger public key waits before its first probe of a tunnel that
+# has had no handshake yet. Both ends initiating WireGuard's first handshake at once lose
+# it for REKEY_TIMEOUT (5 s): each answers the other's initiation, which replaces its own,
+# and then drops the answer to its own; neither may send on a responder's session before
+# the initiator has. Measured in the lab (docs/twin.md): every agent of a mesh starting
+# together lost one or two tunnels that way, and the controller's first routes with them.
+# 0.5 s is more than an initiation's flight on any WAN path and the answer's too.
+HANDSHAKE_DEFER_S = 0.5
+
+
+def first_probe_delay(peer: PeerInfo) -> float:
+    """Seconds to hold this peer's first probe: 0 unless the tunnel never handshook and
+    our key is the larger (the other end then initiates alone, at once)."""
+    if peer.handshake_age_s is not None or peer.own_key <= peer.public_key:
+        return 0.0
+    return HANDSHAKE_DEFER_S

@@ -205,10 +205,19 @@ class Target:
     name: str
     address: str
     scope: str | None = None
+    # Seconds before the first probe (on top of the peer's phase): lets the other end
+    # initiate WireGuard's first handshake alone (meshopt.agent.peers.first_probe_delay).
+    # Not part of the target's identity: it matters only before the first probe.
+    first_after_s: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise InputError(f"probe target {self.address!r}: empty name")
+        if not 0.0 <= self.first_after_s <= 60.0:
+            raise InputError(
+                f"probe target {self.name}: first_after_s must be in [0, 60], "
+                f"not {self.first_after_s!r}"
+            )
         ip = self._ip()
         if ip.version == 4 and self.scope is not None:
             raise InputError(f"probe target {self.name}: a scope applies to IPv6 only")
@@ -262,6 +271,7 @@ class _Peer:
     first_unanswered: float | None = None  # when the first of them was sent
     bytes_sent: int = 0
     bytes_received: int = 0
+    not_before: float = 0.0  # no first probe before this (Target.first_after_s)
 
 
 @dataclass(slots=True)
@@ -390,8 +400,10 @@ class Prober:
                 )
                 # Each peer at its own phase of the interval: probes sent together queue
                 # behind each other (one wireguard-go, one responder) and read high.
-                first = now + self._phase(name) * min(rate.interval_s, 1.0)
+                start = now + t.first_after_s
+                first = start + self._phase(name) * min(rate.interval_s, 1.0)
                 peer = _Peer(t, addr, window, first, rate, min_unanswered(rate))
+                peer.not_before = start
                 self._peers[name] = peer
                 self._push_send(peer)
         if self._sock is not None:
@@ -440,11 +452,12 @@ class Prober:
         if peer.last_sent is None:
             # Never probed yet: first probe at a spread-out moment within one interval
             # (at most 1 s), so hundreds of new idle peers do not all go in one burst.
+            start = max(now, peer.not_before)
             if rate.interval_s > self.config.interval_s:
                 offset = self._phase(peer.target.name) * min(rate.interval_s, 1.0)
-                peer.next_send = self._snap(peer, now + offset)
+                peer.next_send = self._snap(peer, start + offset)
             else:
-                peer.next_send = min(peer.next_send, now)
+                peer.next_send = max(min(peer.next_send, now), peer.not_before)
         elif promoted:
             peer.next_send = now
         else:

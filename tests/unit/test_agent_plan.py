@@ -172,3 +172,19 @@ def test_prefix_owner_is_the_most_specific_baseline_and_nobody_when_unclear() ->
     assert owner(probe) is None  # link-local: probe addresses name nobody
     assert owner("garbage") is None
     assert prefix_owner({})("10.0.0.1/32") is None
+
+
+def test_only_the_larger_key_defers_its_first_probe_and_only_before_a_handshake() -> None:
+    """Both ends of a tunnel initiating WireGuard's first handshake at once lose it for
+    5 s; one end per tunnel (the larger key) holds its first probe so the other's
+    initiation goes alone. Once the tunnel has handshaked nobody waits."""
+    from meshopt.agent.peers import HANDSHAKE_DEFER_S, first_probe_delay
+
+    p = _peers()[B]
+    small, large = sorted([p.public_key, ME])
+    mine = PeerInfo(**{**p.__dict__, "own_key": large, "public_key": small})
+    theirs = PeerInfo(**{**p.__dict__, "own_key": small, "public_key": large})
+    assert first_probe_delay(mine) == HANDSHAKE_DEFER_S > 0
+    assert first_probe_delay(theirs) == 0.0  # exactly one end of the tunnel waits
+    done = PeerInfo(**{**mine.__dict__, "handshake_age_s": 3.0})
+    assert first_probe_delay(done) == 0.0

@@ -609,3 +609,27 @@ def test_transient_peers_are_in_use_now_and_not_held() -> None:
     }
     assert budget.classify(["a", "b"], set(), {}, 1.0) == {"a": IDLE, "b": IDLE}
     assert budget.last_used == {}
+
+
+def test_first_after_s_holds_only_the_first_probe_and_keeps_the_peer(harness: Harness) -> None:
+    """The end with the larger key waits before its first probe of a tunnel that never
+    handshook (meshopt.agent.peers.first_probe_delay); a budget that re-plans the peer
+    in the meantime does not send it early, and the same target without the delay (the
+    handshake since done) is the same peer, not a new one."""
+    start = harness.now
+    harness.prober.set_targets(
+        [Target("a", "127.0.0.1"), Target("b", "127.0.0.1", first_after_s=0.5)]
+    )
+    harness.prober.set_rates({"b": Rate(IN_USE, 0.33, 0.8)})  # as the agent's first plan
+    harness.prober.set_rates({"b": Rate(IDLE, 2.0, 4.84)})
+    harness.prober.set_rates({"b": Rate(IN_USE, 0.33, 0.8)})
+    harness.run(2.0)
+    assert start <= harness.sends("a")[0] < start + 0.34
+    b = harness.sends("b")
+    assert start + 0.5 <= b[0] < start + 0.5 + 0.34, b[0] - start
+    assert all(abs(g - 0.33) <= 0.011 for g in gaps(b)), gaps(b)
+    peer = harness.prober._peers["b"]
+    harness.prober.set_targets([Target("a", "127.0.0.1"), Target("b", "127.0.0.1")])
+    assert harness.prober._peers["b"] is peer
+    with pytest.raises(InputError, match="first_after_s"):
+        Target("c", "127.0.0.1", first_after_s=-1.0)
