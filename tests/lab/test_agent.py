@@ -104,8 +104,12 @@ def mesh(lab_ok: None) -> Iterator[LiveMesh]:
 
 def test_agents_probe_each_other_through_the_tunnels(mesh: LiveMesh) -> None:
     def probed(t: dict[str, Any]) -> bool:
+        # Reports omit default fields: a peer whose only replies so far queued behind
+        # WireGuard's first handshake is alive with no RTT sample, and has no "samples".
         return len(t["peers"]) == 3 and all(
-            p.get("alive") is True and p["samples"] >= 5 and p["handshake_age_s"] is not None
+            p.get("alive") is True
+            and p.get("samples", 0) >= 5
+            and p.get("handshake_age_s") is not None
             for p in t["peers"]
         )
 
@@ -121,7 +125,7 @@ def test_agents_probe_each_other_through_the_tunnels(mesh: LiveMesh) -> None:
     assert set(rtt) == {"n2", "n3", "n4"}
     for p in rtt.values():
         assert p.get("alive") is True, t
-        assert p["samples"] >= 5 and p["handshake_age_s"] is not None
+        assert p.get("samples", 0) >= 5 and p.get("handshake_age_s") is not None, t
     # n2 and n3 are routed direct: the probes agree with ping on the same tunnel (ping
     # right after; both carry this VM's scheduling noise alike).
     for peer in ("n2", "n3"):
