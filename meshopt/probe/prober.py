@@ -283,6 +283,10 @@ class _Pending:
     # Sent before the peer ever answered: it waited for WireGuard's handshake (or for the
     # peer's agent), so its RTT measures that wait, and its loss is not the path's.
     early: bool = False
+    # The monotonic time just before ``send_ns`` was read: the clock-step check measures
+    # from here (a process preempted between the stamp and ``sent_at`` under load made
+    # real round trips look longer than the monotonic clock allowed).
+    stamped_at: float | None = None
 
 
 @dataclass
@@ -695,6 +699,7 @@ class Prober:
         # Stamped after encoding and sent at once; the bookkeeping comes after the send
         # (a reply is only read by a later timer tick): the stamp is the moment of the
         # sendto, not of the Python work around it.
+        stamped_at = self._clock()
         send_ns = time.time_ns()
         stamp(data, send_ns)
         try:
@@ -705,7 +710,12 @@ class Prober:
             failed = None
         sent_at = self._clock()
         self._pending[seq] = _Pending(
-            peer, send_ns, sent_at, sent_at + self.config.timeout_s, early=peer.alive is None
+            peer,
+            send_ns,
+            sent_at,
+            sent_at + self.config.timeout_s,
+            early=peer.alive is None,
+            stamped_at=stamped_at,
         )
         peer.last_sent = sent_at
         if peer.unanswered == 0:
@@ -799,7 +809,8 @@ class Prober:
         # monotonic clock does not agree with. A turnaround longer than the whole round
         # trip is a responder's lie.
         span_ns = rx_ns - pending.send_ns
-        if not 0 < span_ns <= (now - pending.sent_at + SLACK_S) * 1e9:
+        since = pending.sent_at if pending.stamped_at is None else pending.stamped_at
+        if not 0 < span_ns <= (now - since + SLACK_S) * 1e9:
             self._count("clock_step", addr, f"a round trip of {span_ns} ns (clock stepped)")
             return
         rtt_ns = span_ns - turnaround_ns

@@ -473,3 +473,61 @@ def test_replies_wait_in_the_socket_for_the_timer_and_count_from_their_kernel_st
             responder.close()
 
     asyncio.run(main())
+
+
+def test_a_round_trip_preempted_around_its_send_is_a_sample_not_a_clock_step() -> None:
+    """Under load the prober can lose the CPU between stamping a probe and noting when it
+    sent it. The clock-step check must measure from the stamp: CI's busy demo dropped a
+    real 41.8 ms round trip as "clock stepped"."""
+    now = [1000.0]
+
+    class Preempted:
+        """The prober's socket, with the process losing the CPU for 50 ms (by the
+        injected clock) around each send, which itself leaves 5 ms late."""
+
+        def __init__(self, sock: socket.socket) -> None:
+            self._sock = sock
+
+        def sendto(self, data: bytes, addr: object) -> int:
+            time.sleep(0.005)
+            sent = self._sock.sendto(data, addr)
+            now[0] += 0.05
+            return sent
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self._sock, name)
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("127.0.0.1", 0)
+        prober = Prober(ProbeConfig(port=responder.port), clock=lambda: now[0])
+        prober.set_targets([Target("peer", "127.0.0.1")])
+        await prober.start()
+        try:
+            assert prober._sock is not None and prober._timer is not None
+            prober._timer.cancel()  # the test ticks by hand
+            prober._timer = None
+            prober._sock = Preempted(prober._sock)  # type: ignore[assignment]
+            now[0] += 0.34  # past the peer's phase: its first probe goes out
+            prober._tick(now[0])
+            assert prober.counters["sent"] == 1
+            await until(lambda: responder.counters["echoed"] >= 1)
+            now[0] += 0.002  # read 2 ms after the send was noted
+            prober._read_replies()
+            assert prober.counters["clock_step"] == 0, dict(prober.counters)
+            assert prober.alive("peer") is True
+            # The first reply is proof of life only (early); the next one is a sample.
+            now[0] += 0.33
+            prober._tick(now[0])
+            await until(lambda: responder.counters["echoed"] >= 2)
+            now[0] += 0.002
+            prober._read_replies()
+            assert prober.counters["clock_step"] == 0, dict(prober.counters)
+            s = prober.stats("peer")
+            assert s is not None and s.samples == 1 and s.rtt_min_ms is not None
+            assert s.rtt_min_ms >= 5.0
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())
