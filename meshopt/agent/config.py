@@ -11,7 +11,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from meshopt.bus.client import (
     BrokerSettings,
@@ -33,6 +33,9 @@ from meshopt.probe.budget import BudgetConfig
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 LAYOUTS = ("auto", "single", "per-peer")
 WIREGUARD_KINDS = ("auto", "kernel", "userspace")
+
+
+PEER_POLL_S: Final = 2.0  # how often the agent reads WireGuard (peers, traffic)
 
 
 @dataclass(frozen=True)
@@ -185,7 +188,7 @@ class AgentConfig:
     identity_key: str = "/etc/meshopt/agent.key"
     max_skew_s: float = 30.0  # how far the controller's clock may run ahead of ours
     state_dir: str = "/var/lib/meshopt"
-    peer_poll_s: float = 2.0
+    peer_poll_s: float = PEER_POLL_S
     log_level: str = ""  # debug|info|warning|error; empty: --log-level (a reload applies it)
     probe: ProbeSettings = field(default_factory=ProbeSettings)
     bandwidth: BandwidthSettings = field(default_factory=BandwidthSettings)

@@ -6,8 +6,8 @@ simulator's time 0):
 
 * ``degrade_at``: a directly routed link gets five times its one-way delay, chosen so a
   relay then wins (:func:`meshopt.demo.pick_degradation`);
-* ``fail_at``: the node relaying the most optimal paths goes down (``node=R down``),
-  and comes back ``restore_after`` later;
+* ``fail_at``: the node relaying the most optimal paths (with the degradation, which
+  stays) goes down (``node=R down``), and comes back ``restore_after`` later;
 * ``jitter_at``: every link's delay jitters with a standard deviation of 11.5 % of its
   delay (the convergence benchmark's +/- 20 %) until the end (``jitter_s``).
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from meshopt.analysis import Plan, plan
-from meshopt.demo import pick_degradation
+from meshopt.demo import pick_degradation, with_delay
 from meshopt.metric import Metric
 from meshopt.policy import PolicyConfig
 from meshopt.sim.engine import SimConfig, simulate
@@ -101,11 +101,13 @@ def scenario(topology: str) -> Scenario:
     best = plan(topo, Metric(), symmetric=True)
     deg = pick_degradation(topo, best, symmetric=True)
     degrade = pair = None
+    at_failure = best  # the relay is picked as routed when it fails: degraded, if it was
     if deg is not None:
         a, b = deg.link
         slow = topo.link(a, b).delay_ms * 5
         degrade, pair = f"{a}-{b} delay={slow:g}ms", (a, b)
-    through = _relayed(best)
+        at_failure = plan(with_delay(topo, a, b, 5.0), best.metric, symmetric=True)
+    through = _relayed(at_failure)
     relay = relay_pair = None
     if through:
         relay = max(sorted(through), key=lambda n: len(through[n]))
