@@ -36,7 +36,13 @@ from meshopt import sdnotify
 from meshopt.agent.config import AgentConfig, bulk_classifier, probe_budget_config
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.netstate import NetState, Sysctls
-from meshopt.agent.peers import PeerTracker, first_probe_delay
+from meshopt.agent.peers import (
+    IPAddress,
+    PeerTracker,
+    first_probe_delay,
+    heard_from,
+    peers_by_probe_address,
+)
 from meshopt.agent.plan import (
     NodePlan,
     allowed_ips_updates,
@@ -189,6 +195,8 @@ class Agent:
             limit=RateLimit.for_interval(cfg.probe.interval_s), allowed=PeerSources()
         )
         self.trains = TrainResponder(allowed=PeerSources())
+        self._by_probe_address: dict[IPAddress, str] = {}
+        self.responder.on_heard = self._heard
         self.capacity: dict[str, Capacity] = {}
         self.bandwidth_bytes = 0
         self.pmtu: dict[str, int] = {}
@@ -515,6 +523,7 @@ class Agent:
             # An address that could not be bound is tried again at the next poll.
             self._unbound |= len(r.addresses) < len(set(probes))
         self.addresses = own_prefixes_from(own)
+        self._by_probe_address = peers_by_probe_address(self.tracker.peers.values())
         self.prober.set_targets(
             Target(
                 name=k,
@@ -528,6 +537,13 @@ class Agent:
         if changed or self._allowed_ips_drift():
             self._wake.set()
         self._ready.set()
+
+    def _heard(self, source: IPAddress) -> None:
+        """A peer's probe reached our responder: its tunnel has a session, so a first
+        probe we held (meshopt.agent.peers.first_probe_delay) can go now."""
+        key = heard_from(self._by_probe_address, source)
+        if key is not None and self.prober.release(key):
+            log.debug("peer %s heard from first: probing it now", key[:8])
 
     def _allowed_ips_drift(self) -> bool:
         plan = self._plan()

@@ -7,13 +7,16 @@ rx/tx rates from the counter deltas. Pure: readings and times come in as argumen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ipaddress
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from meshopt.agent.probeaddr import probe_address
 from meshopt.wireguard.model import InterfaceState
 
 DEFAULT_ROUTES = frozenset({"0.0.0.0/0", "::/0"})
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 @dataclass(frozen=True)
@@ -103,19 +106,35 @@ class PeerTracker:
         return added, removed
 
 
-# What the end with the larger public key waits before its first probe of a tunnel that
-# has had no handshake yet. Both ends initiating WireGuard's first handshake at once lose
-# it for REKEY_TIMEOUT (5 s): each answers the other's initiation, which replaces its own,
-# and then drops the answer to its own; neither may send on a responder's session before
-# the initiator has. Measured in the lab (docs/twin.md): every agent of a mesh starting
+# How long, at most, the end with the larger public key holds its first probe of a
+# tunnel that has had no handshake yet: until the other end's first probe reaches our
+# responder (``Prober.release``: its tunnel then has a session and our probe starts no
+# handshake), or this long if it does not come (no agent there, or it starts later).
+# Both ends initiating WireGuard's first handshake at once lose it for REKEY_TIMEOUT
+# (5 s): each answers the other's initiation, which replaces its own, and then drops the
+# answer to its own. Measured in the lab (docs/twin.md): every agent of a mesh starting
 # together lost one or two tunnels that way, and the controller's first routes with them.
-# 0.5 s is more than an initiation's flight on any WAN path and the answer's too.
-HANDSHAKE_DEFER_S = 0.5
+# A fixed 0.5 s hold did not stop it (three tunnels of bench8 in one run): the agents
+# start up to ~0.5 s apart and probe at phases spread over 0.33 s, so a fixed offset
+# only moves the two initiations, while waiting to be heard orders them.
+HANDSHAKE_DEFER_S = 2.0
 
 
 def first_probe_delay(peer: PeerInfo) -> float:
-    """Seconds to hold this peer's first probe: 0 unless the tunnel never handshook and
-    our key is the larger (the other end then initiates alone, at once)."""
+    """Seconds to hold this peer's first probe unless it is heard from first: 0 unless the
+    tunnel never handshook and our key is the larger (the other end initiates alone)."""
     if peer.handshake_age_s is not None or peer.own_key <= peer.public_key:
         return 0.0
     return HANDSHAKE_DEFER_S
+
+
+def peers_by_probe_address(peers: Iterable[PeerInfo]) -> dict[IPAddress, str]:
+    """Each peer's probe address (without a scope) -> its key: who a probe came from."""
+    return {ipaddress.ip_address(p.probe_address): p.public_key for p in peers}
+
+
+def heard_from(by_address: Mapping[IPAddress, str], source: IPAddress) -> str | None:
+    """The peer whose probe address ``source`` is (a link-local one's scope ignored)."""
+    if isinstance(source, ipaddress.IPv6Address) and source.scope_id is not None:
+        source = ipaddress.IPv6Address(str(source).partition("%")[0])
+    return by_address.get(source)

@@ -205,9 +205,10 @@ class Target:
     name: str
     address: str
     scope: str | None = None
-    # Seconds before the first probe (on top of the peer's phase): lets the other end
-    # initiate WireGuard's first handshake alone (meshopt.agent.peers.first_probe_delay).
-    # Not part of the target's identity: it matters only before the first probe.
+    # Seconds before the first probe (on top of the peer's phase) unless ``release``d
+    # earlier: lets the other end initiate WireGuard's first handshake alone
+    # (meshopt.agent.peers.first_probe_delay). Not part of the target's identity: it
+    # matters only before the first probe.
     first_after_s: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
@@ -432,6 +433,21 @@ class Prober:
                 changed = True
         if changed and self._sock is not None:
             self._arm(now)
+
+    def release(self, name: str, now: float | None = None) -> bool:
+        """Probe ``name`` now if its first probe is still held (``Target.first_after_s``):
+        the peer was heard from, so the tunnel has a session and a probe starts no
+        handshake. True if a held probe was released."""
+        peer = self._peers.get(name)
+        now = self._clock() if now is None else now
+        if peer is None or peer.last_sent is not None or peer.not_before <= now:
+            return False
+        peer.not_before = now
+        peer.next_send = now
+        self._push_send(peer)
+        if self._sock is not None:
+            self._arm(now)
+        return True
 
     def reconfigure(self, config: ProbeConfig) -> None:
         """A new config (a reload): peers without a rate of their own take its rate."""

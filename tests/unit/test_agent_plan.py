@@ -188,3 +188,20 @@ def test_only_the_larger_key_defers_its_first_probe_and_only_before_a_handshake(
     assert first_probe_delay(theirs) == 0.0  # exactly one end of the tunnel waits
     done = PeerInfo(**{**mine.__dict__, "handshake_age_s": 3.0})
     assert first_probe_delay(done) == 0.0
+
+
+def test_a_probe_names_its_sender_by_probe_address_whatever_its_scope() -> None:
+    """The responder reports who it heard by source address (link-local, with the
+    interface as scope); the agent releases that peer's held first probe."""
+    import ipaddress
+
+    from meshopt.agent.peers import heard_from, peers_by_probe_address
+
+    peers = _peers()
+    by = peers_by_probe_address(peers.values())
+    p = peers[B]
+    scoped = ipaddress.IPv6Address(f"{p.probe_address}%{p.ifname}")
+    assert heard_from(by, scoped) == B
+    assert heard_from(by, ipaddress.ip_address(p.probe_address)) == B
+    assert heard_from(by, ipaddress.IPv6Address("fe80::1%wg0")) is None
+    assert heard_from(by, ipaddress.IPv4Address("10.0.0.1")) is None

@@ -633,3 +633,22 @@ def test_first_after_s_holds_only_the_first_probe_and_keeps_the_peer(harness: Ha
     assert harness.prober._peers["b"] is peer
     with pytest.raises(InputError, match="first_after_s"):
         Target("c", "127.0.0.1", first_after_s=-1.0)
+
+
+def test_a_held_first_probe_goes_as_soon_as_the_peer_is_heard(harness: Harness) -> None:
+    """``release``: the other end's probe reached us, its tunnel has a session, so the
+    first probe held for the handshake goes at once; only a held probe is released."""
+    start = harness.now
+    harness.prober.set_targets(
+        [Target("a", "127.0.0.1"), Target("b", "127.0.0.1", first_after_s=2.0)]
+    )
+    harness.run(0.4)
+    assert harness.sends("b") == []
+    assert harness.prober.release("a") is False  # not held
+    assert harness.prober.release("nobody") is False
+    assert harness.prober.release("b") is True
+    harness.run(1.0)
+    b = harness.sends("b")
+    assert b and start + 0.4 <= b[0] <= start + 0.4 + 0.011, b[0] - start
+    assert all(abs(g - 0.33) <= 0.011 for g in gaps(b)), gaps(b)
+    assert harness.prober.release("b") is False  # probed already

@@ -531,3 +531,31 @@ def test_a_round_trip_preempted_around_its_send_is_a_sample_not_a_clock_step() -
             responder.close()
 
     asyncio.run(main())
+
+
+def test_the_responder_tells_who_it_heard_once_per_sender_and_only_allowed_ones() -> None:
+    """``on_heard``: the agent's cue that a peer's tunnel has a session (it then sends
+    the first probe it held for WireGuard's handshake). Called when a sender is first
+    judged allowed, not per packet, and never for a refused sender."""
+    heard: list[str] = []
+
+    async def main() -> None:
+        responder = Responder(allowed=lambda src: str(src) == "127.0.0.1")
+        responder.on_heard = lambda src: heard.append(str(src))
+        await responder.start(["127.0.0.1", "::1"], 0)
+        p4 = Prober(ProbeConfig(port=responder.port, **FAST))
+        p4.set_targets([Target("peer", "127.0.0.1")])
+        p6 = Prober(ProbeConfig(port=responder.port, **FAST))
+        p6.set_targets([Target("peer", "::1")])
+        await p4.start()
+        await p6.start()
+        try:
+            await until(lambda: (s := p4.stats("peer")) is not None and s.received >= 5)
+            await until(lambda: responder.counters["unknown_source"] >= 5)
+        finally:
+            await p4.close()
+            await p6.close()
+            responder.close()
+
+    asyncio.run(main())
+    assert heard == ["127.0.0.1"]
