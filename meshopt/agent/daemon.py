@@ -748,7 +748,16 @@ class Agent:
         }
 
     def _on_step(self, key: str) -> None:
-        """A peer's RTT moved to a new level (confirmed by the estimator): tell now."""
+        """A peer's RTT moved to a new level (confirmed by the estimator): tell now.
+        Logged: a step is rare (a path changed), and its time is where a slow re-route
+        starts being explained."""
+        stats = self.prober.stats(key)
+        srtt = stats.srtt_ms if stats is not None else None
+        log.info(
+            "peer %s: RTT stepped to %s (confirmed); telling the controller",
+            key[:8],
+            "?" if srtt is None else f"{srtt:.1f} ms",
+        )
         self._tell_now.set()
 
     async def _telemetry_loop(self) -> None:

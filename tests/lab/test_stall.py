@@ -139,6 +139,11 @@ def _on_optimum(hops: dict[str, dict[str, str]]) -> bool:
     )
 
 
+def _step_lines(lab: Lab) -> int:
+    """Confirmed RTT steps in the logs of a and c, the ends of the link that changes."""
+    return sum(len(re.findall(r"RTT stepped to", agent_log(lab, n))) for n in "ac")
+
+
 def _dead_lines(lab: Lab) -> int:
     return sum(len(re.findall(r"peer \S+ DEAD", agent_log(lab, n))) for n in "abcd")
 
@@ -179,10 +184,13 @@ def test_spikes_and_stalls_move_no_route_but_a_real_change_does(
 
         lab.set("a-c spike=off")
         lab.set("c-b spike=off")
+        steps = _step_lines(lab)
         lab.set("a-c delay=12ms")  # x3: a->c->b 24 + 8 ms, a->d->b 24 ms
         moved = wait_until(lambda: live.path("a", "b") == ["a", "d", "b"], 25, interval=0.5)
         assert moved is not None, f"a->b stayed on c after a-c tripled:\n{live.logs()}"
         assert live.path("b", "a") == ["b", "d", "a"]
+        # The confirmed step is in the agents' logs (where a slow re-route is explained).
+        assert _step_lines(lab) > steps, live.logs()
     finally:
         live.stop()
         lab.down()
