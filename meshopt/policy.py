@@ -173,6 +173,12 @@ class Decision:
     improved: BoolArray  # switched because the best path wins by every margin
     held: BoolArray  # best path wins by every margin, but the hold time kept the old one
     repaired: BoolArray  # kept entry forced to the best to keep forwarding loop-free/consistent
+    # What the entries were judged on (for an operator's "why not"; None on a first
+    # install): the installed and the best path's cost and the noise term the gain
+    # had to beat, all in ms, symmetric mode's per-pair means.
+    cur: FloatArray | None = None
+    new: FloatArray | None = None
+    noise_term: FloatArray | None = None
 
 
 def _check_table(name: str, next_hop: IntArray, n: int) -> None:
@@ -418,6 +424,9 @@ def decide(
         improved=improved & changed,
         held=held & (table != b),
         repaired=repaired & changed,
+        cur=cur,
+        new=new,
+        noise_term=config.noise_sigmas * np.sqrt(var_cur + var_new),
     )
 
 

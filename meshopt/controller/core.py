@@ -67,6 +67,7 @@ from meshopt.bus.signing import (
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
 from meshopt.controller.engine import DEGRADED_ABS_MS, Computed, RouteEngine, startup_policy
+from meshopt.controller.explain import pending
 from meshopt.controller.lease import LeaseKeeper, check_lease
 from meshopt.controller.urgent import UrgentFix, urgent_fix
 from meshopt.controller.view import (
@@ -611,6 +612,11 @@ class ControllerCore:
                 int(c.decision.failed.sum()),
                 int(c.decision.improved.sum()),
             )
+        if log.isEnabledFor(logging.DEBUG) and c.policy is not None:
+            for line in pending(
+                c.names, c.best, c.decision, c.policy, now, symmetric=self.engine.symmetric
+            ):
+                log.debug("routes: %s", line)
         index = {n: i for i, n in enumerate(c.names)}
         urgent = c.decision.failed if c.degraded is None else c.decision.failed | c.degraded
         failed_rows = np.asarray(urgent.any(axis=1))

@@ -105,6 +105,7 @@ class Computed:
     degraded: BoolArray | None = None  # entries moved off a path gone much worse (urgent)
     errors: dict[str, str] = field(default_factory=dict)
     dropped: Counter[str] = field(default_factory=Counter)
+    policy: PolicyConfig | None = None  # the policy the decision ran with
 
 
 def _symmetrize(cost: FloatArray) -> FloatArray:
@@ -312,9 +313,9 @@ class RouteEngine:
         m = view.matrices(now)
         names = m.names
         best, dec, released, before = self.decide(m, now, policy)
-        out = Computed(names=names, matrices=m, best=best, decision=dec)
-        out.degraded = released & dec.changed
         pol = policy or self.policy
+        out = Computed(names=names, matrices=m, best=best, decision=dec, policy=pol)
+        out.degraded = released & dec.changed
         if not self.symmetric:
             out.backup = sticky_backups(
                 self._backup, best, dec.installed.next_hop, m.cost, pol, self.relay_hop_ms
