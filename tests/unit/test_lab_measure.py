@@ -58,3 +58,19 @@ def test_the_pairs_a_reading_misses_are_named_with_the_path_taken(triangle_plan:
     assert missing(triangle_plan, relayed, 1.0, 0.05) == []
     looped = {**relayed, "c": {"a": "a", "b": "a"}}
     assert missing(triangle_plan, looped, 1.0, 0.05) == ["a->b via a-c-?", "c->b via c-a-?"]
+
+
+def test_the_policys_margins_are_gains_on_the_current_path_not_overshoots_of_the_optimum() -> None:
+    from meshopt.lab.measure import near_optimum, path_cost, policy_keeps
+
+    bench8 = plan(load_topology(str(packaged("bench8.yaml"))))
+    via_a, via_b = ["c", "a", "f"], ["c", "b", "f"]  # 42 and 38 ms RTT configured
+    cur, opt = path_cost(bench8, via_a), path_cost(bench8, via_b)
+    assert 1.10 * opt < cur < opt / 0.90  # over the optimum by 10 %+, a gain under 10 %
+    # decide() moves only on gain >= 10 % of cur: a small gain, kept until confirmed
+    assert policy_keeps(bench8, via_a, 3.0, 0.10)
+    assert not near_optimum(bench8, via_a, 3.0, 0.10)
+    # c-h direct (30 ms) against c-a-h (26 ms): a large gain either way
+    assert not policy_keeps(bench8, ["c", "h"], 3.0, 0.10)
+    assert not policy_keeps(bench8, via_a, 0.5, 0.02)  # the small margins do move it
+    assert not policy_keeps(bench8, ["c", "a", "?"], 3.0, 0.10)
