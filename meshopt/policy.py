@@ -375,11 +375,12 @@ def decide(
     broken = ~np.isfinite(cur)
     with np.errstate(invalid="ignore"):
         gain = cur - new
+        noise_term = config.noise_sigmas * np.sqrt(var_cur + var_new)
         beats = (
             diff
             & ~broken
             & np.isfinite(new)
-            & (gain > config.noise_sigmas * np.sqrt(var_cur + var_new))
+            & (gain > noise_term)
         )
         large = beats & (gain >= config.abs_margin_ms) & (gain >= config.rel_margin * cur)
         small = beats & (gain >= config.confirm_abs_ms) & (gain >= config.confirm_rel * cur)
@@ -426,7 +427,7 @@ def decide(
         repaired=repaired & changed,
         cur=cur,
         new=new,
-        noise_term=config.noise_sigmas * np.sqrt(var_cur + var_new),
+        noise_term=noise_term,
     )
 
 
