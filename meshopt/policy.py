@@ -376,12 +376,7 @@ def decide(
     with np.errstate(invalid="ignore"):
         gain = cur - new
         noise_term = config.noise_sigmas * np.sqrt(var_cur + var_new)
-        beats = (
-            diff
-            & ~broken
-            & np.isfinite(new)
-            & (gain > noise_term)
-        )
+        beats = diff & ~broken & np.isfinite(new) & (gain > noise_term)
         large = beats & (gain >= config.abs_margin_ms) & (gain >= config.rel_margin * cur)
         small = beats & (gain >= config.confirm_abs_ms) & (gain >= config.confirm_rel * cur)
     prev = installed.better_since
