@@ -79,10 +79,16 @@ def live(lab_ok: None) -> Iterator[LiveMesh]:
 
 
 def settled(lab: Lab) -> bool:
-    """n1's direct neighbours on their own tunnels: the routes of a settled mesh (early
-    sets rest on few samples and may relay even those)."""
+    """n1's routes where a settled mesh has them (early sets rest on few samples and may
+    relay even those): n2 on its own tunnel, n3 on its own or through n2. lab4's n1-n3
+    (15 ms) ties with n1-n2-n3 (5 + 10 ms): whichever the first set took, the policy
+    keeps (no gain clears its margins), so CI once waited 60 s for a direct n3 that a
+    loaded start-up had relayed. The checks below need only n3's route not on wg-n4."""
     have = kernel(lab)
-    return have.get("10.99.0.2/32") == "wg-n2" and have.get("10.99.0.3/32") == "wg-n3"
+    return have.get("10.99.0.2/32") == "wg-n2" and have.get("10.99.0.3/32") in (
+        "wg-n3",
+        "wg-n2",
+    )
 
 
 def consistent(lab: Lab) -> tuple[int, dict[str, Any], dict[str, str]] | None:
