@@ -45,6 +45,7 @@ from meshopt.bus.signing import load_private_key
 from meshopt.controller.config import ControllerConfig
 from meshopt.controller.core import URGENT, ControllerCore, Publish
 from meshopt.controller.engine import Computed
+from meshopt.controller.gate import PassGate
 
 log = logging.getLogger("meshopt.controller")
 
@@ -123,6 +124,8 @@ class Controller:
         self._recompute_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="recompute"
         )
+        self.gate = PassGate()
+        self.core.engine.checkpoint = self.gate.checkpoint
 
     async def _on_connect(self) -> None:
         for a in self.core.on_connect(self.wall()):
@@ -182,7 +185,14 @@ class Controller:
                 busy = compute is not None and not compute.done()
                 now, wall = self.clock(), self.wall()
                 self._send(self.core.housekeeping(now, wall, expire=not busy))
-                if self.core.urgent_due(wall):
+                urgent = self.core.urgent_due(wall)
+                # A pass in progress stops at its next checkpoint while urgent sets are
+                # planned, signed and handed to the broker (see meshopt.controller.gate).
+                if busy and (urgent or self._urgent_waiting()) and self.core.may_publish(wall):
+                    self.gate.hold()
+                else:
+                    self.gate.release()
+                if urgent:
                     # Beside a recompute in progress, not behind it (issue 15).
                     self._send(self.core.urgent_plan(now, wall))
                 # The full pass waits until the urgent sets have left the queue: it
@@ -200,6 +210,7 @@ class Controller:
                 if bus.done():
                     bus.result()
         finally:
+            self.gate.release()  # a held pass must not keep the worker thread (and exit)
             for t in [bus, *workers, *self._tasks]:
                 t.cancel()
             for t in [bus, *workers, *self._tasks]:
@@ -218,6 +229,7 @@ class Controller:
         started = time.perf_counter()
         core = self.core
         core.begin_recompute()
+        self.gate.begin_pass()
         cpu = 0.0
 
         def compute() -> tuple[Computed | None, float]:
@@ -244,6 +256,8 @@ class Controller:
                 core.counters.count("recompute_failed", repr(exc), exc_info=exc)
                 actions = []
             cpu += time.thread_time() - t
+            if (held := self.gate.held_this_pass_s) > 0:
+                log.info("full pass waited %.2f s for urgent route sets", held)
             self.recompute_seconds.observe(time.perf_counter() - started)
             self._send(actions)  # the publishers start on them while the backlog drains
         finally:

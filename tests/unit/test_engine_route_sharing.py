@@ -86,7 +86,7 @@ def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:
     c, eng = core.last, core.engine
     assert c is not None
     rows = eng._rows.rows
-    old = {node: (row.routes, dict(row.per_dest)) for node, row in rows.items()}
+    old = {node: (row.routes, list(row.per_dest)) for node, row in rows.items()}
     for row in rows.values():
         row.inputs = row.inputs + 1  # every destination differs: every one rebuilt
     out = route_sets(core.view, c, eng._tuning, eng._rows)
@@ -95,5 +95,5 @@ def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:
         was, per_dest = old[node]
         assert routes is was  # equal: the same list
         assert rows[node].routes is was
-        for d, rs in rows[node].per_dest.items():
+        for d, rs in enumerate(rows[node].per_dest):
             assert rs is per_dest[d]
