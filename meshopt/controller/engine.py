@@ -38,7 +38,7 @@ import logging
 import math
 import socket
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -490,13 +490,26 @@ class _RowCache:
     rows: dict[str, _Row] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Chunks:
+    """A row's routes in destination order, destination ``d``'s at
+    ``flat[off[d]:off[d + 1]]``: one list and an array per row where a list per
+    destination cost a million lists (140 MB) at 1000 nodes."""
+
+    flat: list[Route]
+    off: Int32Array  # n + 1 offsets
+
+    def of(self, d: int) -> list[Route]:
+        return self.flat[int(self.off[d]) : int(self.off[d + 1])]
+
+
 @dataclass
 class _Row:
     """One node's routes per destination and what they were built from."""
 
     inputs: Int32Array  # _row_inputs: per destination, a change rebuilds its routes
     peers: bytes  # _peers_digest of the node's peer keys
-    per_dest: list[Sequence[Route]]  # by destination index; () where none
+    chunks: _Chunks  # the routes by destination, before duplicates are left out
     routes: list[Route]
     base: FloatArray
     dropped: Counter[str]
@@ -621,7 +634,7 @@ def route_sets(
         inputs = _row_inputs(c, s, online)
         peers = _peers_digest(view.nodes[s_name].peer_keys())
         redo: BoolArray | None = None
-        prev: list[Sequence[Route]] | None = None
+        prev: _Chunks | None = None
         if row is not None and row.peers == peers:
             redo = (inputs != row.inputs).any(axis=0) | ~_row_tuning_holds(
                 c.bulk_paths, s, row.base
@@ -630,10 +643,10 @@ def route_sets(
                 out[s_name] = row.routes
                 c.dropped.update(row.dropped)
                 continue
-            prev = row.per_dest
+            prev = row.chunks
         before = Counter(c.dropped)
         try:
-            routes, per_dest = _node_routes(
+            routes, chunks = _node_routes(
                 view, c, s, owner, index, tuned, prev, redo, unique=unique
             )
         except NODE_ERRORS as exc:
@@ -643,6 +656,8 @@ def route_sets(
             continue
         if row is not None and routes == row.routes:
             routes = row.routes  # one list for the cache, the plan and what is intended
+            if unique:
+                chunks = row.chunks  # the same routes cut the same way
         out[s_name] = routes
         if cache is not None:
             if row is not None and redo is not None:
@@ -650,7 +665,7 @@ def route_sets(
                 base[:, redo] = _row_base(tuned, view, c.names, s, redo)[:, redo]
             else:
                 base = _row_base(tuned, view, c.names, s)
-            cache.rows[s_name] = _Row(inputs, peers, per_dest, routes, base, c.dropped - before)
+            cache.rows[s_name] = _Row(inputs, peers, chunks, routes, base, c.dropped - before)
     return out
 
 
@@ -661,44 +676,45 @@ def _node_routes(
     owner: Mapping[str, str],
     index: Mapping[str, int],
     tuned: dict[tuple[str, str, str], _Tuned],
-    prev: Sequence[Sequence[Route]] | None = None,
+    prev: _Chunks | None = None,
     redo: BoolArray | None = None,
     *,
     unique: bool = False,
-) -> tuple[list[Route], list[Sequence[Route]]]:
-    """Row ``s``'s routes, and the same per destination; with ``prev``, destinations not
+) -> tuple[list[Route], _Chunks]:
+    """Row ``s``'s routes, and the same by destination; with ``prev``, destinations not
     marked in ``redo`` take their routes from it. ``unique``: no two online nodes share
     a prefix (no duplicate to look for).
 
-    Only the destinations to build are visited: a noise pass at 1000 nodes rebuilds ~100
-    of a row's 999, and a Python step per destination and row cost 1.6 s a pass."""
+    Only the destinations to build are visited, and the others are copied a run of
+    destinations at a time: a noise pass at 1000 nodes rebuilds ~100 of a row's 999,
+    and a Python step per destination and row cost 1.6 s a pass."""
     names = c.names
     nh = c.decision.installed.next_hop[s].tolist()
     backup = c.best.backup
     info = view.nodes[names[s]]
     key_for = {index[o]: k for k in info.peer_keys() if (o := owner.get(k)) is not None}
     n = len(names)
-    per_dest: list[Sequence[Route]]
-    if prev is not None and redo is not None and len(prev) == n:
-        per_dest = list(prev)
+    if prev is not None and redo is not None and prev.off.shape[0] == n + 1:
         todo = np.flatnonzero(redo).tolist()
+        prev_off = prev.off.tolist()
     else:
         prev = None
-        per_dest = [()] * n
         todo = list(range(n))
+        prev_off = []
+    built: dict[int, list[Route]] = {}
     paths_row = c.bulk_paths.row(s) if c.bulk_paths is not None else None
     bulk_nh = c.bulk_next_hop[s].tolist() if c.bulk_next_hop is not None else None
     backup_row = c.backup[s].tolist() if c.backup is not None else None
     nodes = view.nodes
     for d in todo:
         d_name = names[d]
-        per_dest[d] = ()
+        built[d] = []
         if d == s or not nodes[d_name].online:
             continue
         hop = nh[d]
         if hop == NO_ROUTE or hop not in key_for:
             continue
-        out: list[Route] = []
+        out = built[d]
         add = out.append
         if c.best.symmetric:
             # Single-interface meshes: AllowedIPs are also the inbound filter, so both
@@ -741,9 +757,28 @@ def _node_routes(
         # agents hold, the sets intended and the row cache then share their Routes
         # instead of holding a copy each (at 1000 nodes two million per copy), and the
         # new ones are freed at once rather than scattered among long-lived objects.
-        if out:
-            per_dest[d] = old if prev is not None and (old := prev[d]) == out else out
-    routes = list(itertools.chain.from_iterable(per_dest))
+        if prev is not None and out:
+            a, b = prev_off[d], prev_off[d + 1]
+            if b - a == len(out) and (old := prev.flat[a:b]) == out:
+                built[d] = old
+    lengths: IntArray
+    if prev is None:
+        flat = list(itertools.chain.from_iterable(built.get(d, ()) for d in range(n)))
+        lengths = np.array([len(built.get(d, ())) for d in range(n)], dtype=np.int64)
+    else:
+        flat = []
+        lengths = np.diff(prev.off).astype(np.int64)
+        last = 0  # the first destination whose old routes are not copied yet
+        for d in todo:
+            flat += prev.flat[prev_off[last] : prev_off[d]]
+            flat += built[d]
+            lengths[d] = len(built[d])
+            last = d + 1
+        flat += prev.flat[prev_off[last] :]
+    off: Int32Array = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(lengths, out=off[1:])
+    chunks = _Chunks(flat, off)
+    routes = flat
     if not unique:
         fast = [r.dst for r in routes if r.table == "fast"]
         bulk = [r.dst for r in routes if r.table != "fast"]
@@ -761,7 +796,7 @@ def _node_routes(
             routes = kept
     if len(routes) > MAX_ROUTES:
         raise RouteSetError(f"{len(routes)} routes, more than a route set holds ({MAX_ROUTES})")
-    return routes, per_dest
+    return routes, chunks
 
 
 def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:

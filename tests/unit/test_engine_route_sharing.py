@@ -69,6 +69,11 @@ def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> 
         if routes == before[node]:
             assert core.engine._rows.rows[node].routes is routes
     assert shared > 0 and new > 0  # both cases happened
+    # Rows patched from the last pass (only the destinations to rebuild visited, the
+    # rest copied a run at a time) equal rows built from scratch with the same settings.
+    c = core.last
+    assert c is not None
+    assert route_sets(core.view, c, dict(core.engine._tuning), None) == c.routes
 
 
 def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:
@@ -86,14 +91,15 @@ def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:
     c, eng = core.last, core.engine
     assert c is not None
     rows = eng._rows.rows
-    old = {node: (row.routes, list(row.per_dest)) for node, row in rows.items()}
+    old = {node: (row.routes, row.chunks) for node, row in rows.items()}
     for row in rows.values():
         row.inputs = row.inputs + 1  # every destination differs: every one rebuilt
     out = route_sets(core.view, c, eng._tuning, eng._rows)
     assert out and set(out) == set(old)
     for node, routes in out.items():
-        was, per_dest = old[node]
+        was, chunks = old[node]
         assert routes is was  # equal: the same list
         assert rows[node].routes is was
-        for d, rs in enumerate(rows[node].per_dest):
-            assert rs is per_dest[d]
+        assert rows[node].chunks.flat is chunks.flat
+        for d in range(len(chunks.off) - 1):
+            assert all(a is b for a, b in zip(rows[node].chunks.of(d), chunks.of(d), strict=True))
