@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.bus.messages import MAX_ROUTES, Counters, Route, RouteSet
+from meshopt.controller.bulk_memory import BulkMemory, Tuned
 from meshopt.controller.view import Matrices, MeshView
 from meshopt.errors import MeshoptError
 from meshopt.install.tuning import MIN_MTU, TcpTuning, tcp_tuning
@@ -161,7 +162,7 @@ class RouteEngine:
         # What the last compute handed out, for hysteresis (names as in self.names).
         self._backup: IntArray | None = None
         self._bulk: IntArray | None = None
-        self._tuning: dict[tuple[str, str, str], _Tuned] = {}
+        self._tuning = BulkMemory()
         self._rows = _RowCache()
         # Called between the steps of a compute and between rows of the route sets: the
         # daemon's hook that holds a full pass while urgent route sets wait on its loop
@@ -242,7 +243,8 @@ class RouteEngine:
         # The backups, bulk paths and TCP settings agents have are the hysteresis's
         # starting point too, so the take-over re-sends nothing that did not change.
         self._backup, self._bulk = backup, bulk
-        self._tuning = {}
+        self._tuning = BulkMemory()
+        self._tuning.align(names, [_first(view, x) for x in names])
         self._rows = _RowCache()
         for s, d, r in tuned:
             walk = _walk(bulk, s, d)
@@ -259,7 +261,7 @@ class RouteEngine:
                     initcwnd=r.initcwnd,
                     initrwnd=r.initrwnd,
                 )
-            self._tuning[(names[s], names[d], r.dst)] = _Tuned(len(walk) - 1, pmtu, rtt, bw, t)
+            self._tuning.put(names[s], d, r.dst, Tuned(len(walk) - 1, pmtu, rtt, bw, t))
 
     def decide(
         self,
@@ -541,29 +543,11 @@ def _row_inputs(c: Computed, s: int, online: IntArray) -> Int32Array:
     return out
 
 
-def _row_base(
-    tuned: dict[tuple[str, str, str], _Tuned],
-    view: MeshView,
-    names: list[str],
-    s: int,
-    only: BoolArray | None = None,
-) -> FloatArray:
-    """The path values row ``s``'s bulk settings came from: hops, PMTU, RTT, rate per
-    destination (NaN where none; ``only``: just those destinations)."""
-    base = np.full((4, len(names)), np.nan)
-    for d in range(len(names)) if only is None else np.flatnonzero(only).tolist():
-        d_name = names[d]
-        for addr in view.nodes[d_name].addresses:
-            t = tuned.get((names[s], d_name, addr))
-            if t is not None:
-                base[:, d] = (
-                    t.hops,
-                    t.pmtu,
-                    np.nan if t.rtt is None else t.rtt,
-                    np.nan if t.bw is None else t.bw,
-                )
-                break
-    return base
+def _first(view: MeshView, name: str) -> str | None:
+    """A node's first prefix (the one whose bulk settings :class:`BulkMemory` keeps in
+    its arrays)."""
+    addrs = view.nodes[name].addresses
+    return addrs[0] if addrs else None
 
 
 def _row_tuning_holds(paths: _BulkPaths | None, s: int, base: FloatArray) -> BoolArray:
@@ -595,7 +579,7 @@ def _row_tuning_holds(paths: _BulkPaths | None, s: int, base: FloatArray) -> Boo
 def route_sets(
     view: MeshView,
     c: Computed,
-    tuned: dict[tuple[str, str, str], _Tuned] | None = None,
+    tuned: BulkMemory | None = None,
     cache: _RowCache | None = None,
     checkpoint: Callable[[], None] | None = None,
 ) -> dict[str, list[Route]]:
@@ -605,7 +589,8 @@ def route_sets(
     out of a set are counted in ``c.dropped``. ``tuned`` remembers each bulk route's TCP
     settings between calls (hysteresis, see ``TUNING_TOLERANCE``).
     """
-    tuned = {} if tuned is None else tuned
+    tuned = BulkMemory() if tuned is None else tuned
+    tuned.align(c.names, [_first(view, x) for x in c.names])
     if c.bulk_next_hop is not None:
         c.bulk_paths = _BulkPaths.of(c.bulk_next_hop, c.matrices)
     owner = view.node_of_key()
@@ -660,11 +645,7 @@ def route_sets(
                 chunks = row.chunks  # the same routes cut the same way
         out[s_name] = routes
         if cache is not None:
-            if row is not None and redo is not None:
-                base = row.base.copy()
-                base[:, redo] = _row_base(tuned, view, c.names, s, redo)[:, redo]
-            else:
-                base = _row_base(tuned, view, c.names, s)
+            base = tuned.base(s_name)
             cache.rows[s_name] = _Row(inputs, peers, chunks, routes, base, c.dropped - before)
     return out
 
@@ -675,7 +656,7 @@ def _node_routes(
     s: int,
     owner: Mapping[str, str],
     index: Mapping[str, int],
-    tuned: dict[tuple[str, str, str], _Tuned],
+    tuned: BulkMemory,
     prev: _Chunks | None = None,
     redo: BoolArray | None = None,
     *,
@@ -738,9 +719,7 @@ def _node_routes(
             bh = bulk_nh[d]
             if bh != NO_ROUTE and bh in key_for:
                 for addr in addresses:
-                    t = _sticky_tuning(
-                        tuned, (names[s], d_name, addr), c.bulk_paths, s, d, paths_row
-                    )
+                    t = _sticky_tuning(tuned, names[s], d, addr, c.bulk_paths, s, paths_row)
                     add(
                         Route(
                             dst=addr,
@@ -809,17 +788,6 @@ def _walk(next_hop: IntArray, s: int, d: int) -> list[int]:
     return path
 
 
-@dataclass(frozen=True, slots=True)
-class _Tuned:
-    """A bulk route's TCP settings and the path values they were computed from."""
-
-    hops: int
-    pmtu: int
-    rtt: float | None
-    bw: float | None
-    tuning: TcpTuning | None
-
-
 @dataclass(frozen=True)
 class _BulkPaths:
     """What tuning reads of every bulk path, for all pairs at once (a Python walk per
@@ -865,11 +833,12 @@ def _close(a: float | None, b: float | None) -> bool:
 
 
 def _sticky_tuning(
-    tuned: dict[tuple[str, str, str], _Tuned],
-    key: tuple[str, str, str],
+    tuned: BulkMemory,
+    s_name: str,
+    d: int,
+    addr: str,
     paths: _BulkPaths,
     s: int,
-    d: int,
     row: tuple[list[float], list[float], list[float], list[float]] | None = None,
 ) -> TcpTuning | None:
     """``bulk_tuning``, unless the path's RTT and rate are still close to the values its
@@ -884,7 +853,7 @@ def _sticky_tuning(
     rtt = r if math.isfinite(r) else None
     bw = b if b > 0 else None
     pmtu = int(pm)
-    old = tuned.get(key)
+    old = tuned.get(s_name, d, addr)
     if (
         old is not None
         and old.hops == int(hops)
@@ -893,8 +862,8 @@ def _sticky_tuning(
         and _close(old.bw, bw)
     ):
         return old.tuning
-    t = _tuning(rtt, bw, (pmtu,) * int(hops), key[2], int(hops))
-    tuned[key] = _Tuned(int(hops), pmtu, rtt, bw, t)
+    t = _tuning(rtt, bw, (pmtu,) * int(hops), addr, int(hops))
+    tuned.put(s_name, d, addr, Tuned(int(hops), pmtu, rtt, bw, t))
     return t
 
 

@@ -73,7 +73,7 @@ def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> 
     # rest copied a run at a time) equal rows built from scratch with the same settings.
     c = core.last
     assert c is not None
-    assert route_sets(core.view, c, dict(core.engine._tuning), None) == c.routes
+    assert route_sets(core.view, c, core.engine._tuning.copy(), None) == c.routes
 
 
 def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:

@@ -300,5 +300,5 @@ def test_sets_reused_from_the_last_recompute_equal_sets_built_afresh() -> None:
         rig.round()
         c = rig.core.last
         assert c is not None
-        fresh = route_sets(rig.core.view, c, dict(engine._tuning))
+        fresh = route_sets(rig.core.view, c, engine._tuning.copy())
         assert fresh == c.routes, f"round {i}"
