@@ -1,4 +1,6 @@
-"""All-pairs next hops with a numba-compiled Floyd–Warshall, for large meshes.
+"""All-pairs next hops with a numba-compiled Floyd–Warshall, for large meshes; and
+the same values as ``tables.reduce_paths`` and ``backup.backup_next_hops`` by numba
+kernels (``reduce_table``, ``backup_table``), which those use from the same size.
 
 scipy's Floyd–Warshall with predecessors takes ~1.1-1.4 s of CPU on the 1,000-node
 mesh of ``scripts/bench_routes.py``; the blocked kernel in ``_fw_numba`` takes
@@ -7,11 +9,12 @@ numba is imported lazily and only for meshes of at least ``COMPILED_MIN_N`` node
 (importing numba costs 0.35-0.55 s of CPU, compiling the kernels 1.7-3.7 s once per
 machine, loading them from numba's on-disk cache ~0.55 s once per process): agents,
 the lab (up to 250 nodes), offline commands on smaller topologies and collecting the
-test suite never load it; of the tests, only the compiled path's own and one
-1000-node simulation do (``test_a_thousand_node_mesh_runs``: 21 s of CPU instead of
-27 s with scipy, numba's loading included). Without numba (it comes with the
-``controller`` extra), or if the kernel fails, ``floyd_warshall`` returns None after
-one log line and the caller uses scipy.
+test suite never load it; of the tests, only the compiled path's and the kernels' own
+and those on meshes of 256+ nodes do (one 1000-node simulation,
+``test_a_thousand_node_mesh_runs``: 21 s of CPU instead of 27 s with scipy, numba's
+loading included). Without numba (it comes with the ``controller`` extra), or if a
+kernel fails, ``floyd_warshall`` (``reduce_table``, ``backup_table``) returns None
+after one log line and the caller uses scipy (numpy).
 That includes a process that may not map executable memory (systemd's
 ``MemoryDenyWriteExecute=yes``, PR_SET_MDWE: numba's import raises PermissionError)
 and one where numba finds no writable cache directory (RuntimeError at import;
