@@ -22,7 +22,7 @@ the node-protection search only revisits the pairs whose cheapest alternate is
 not already node-protecting. From ``compiled.COMPILED_MIN_N`` nodes a numba kernel
 (``_fw_numba.backup_next_hops``) computes the same keys with the same float
 operations, candidate by candidate over every destination at once, and returns
-the same array ~4x faster.
+the same array ~5x faster.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def backup_next_hops(
     tables (the transpose is the O(n²) part of each call).
 
     From ``compiled.COMPILED_MIN_N`` nodes a numba kernel gives the same array
-    (0.56 s instead of 2.4 s of CPU for every row at 1000 nodes); numpy without numba.
+    (~0.5 s instead of ~2.5-3 s of CPU for every row at 1000 nodes, measured with
+    scripts/bench_kernels.py); numpy without numba.
     """
     n = dist.shape[0]
     if sources is None:
