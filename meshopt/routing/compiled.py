@@ -1,4 +1,6 @@
-"""All-pairs next hops with a numba-compiled Floyd–Warshall, for large meshes.
+"""All-pairs next hops with a numba-compiled Floyd–Warshall, for large meshes; and
+the same values as ``tables.reduce_paths`` and ``backup.backup_next_hops`` by numba
+kernels (``reduce_table``, ``backup_table``), which those use from the same size.
 
 scipy's Floyd–Warshall with predecessors takes ~1.1-1.4 s of CPU on the 1,000-node
 mesh of ``scripts/bench_routes.py``; the blocked kernel in ``_fw_numba`` takes
@@ -7,11 +9,12 @@ numba is imported lazily and only for meshes of at least ``COMPILED_MIN_N`` node
 (importing numba costs 0.35-0.55 s of CPU, compiling the kernels 1.7-3.7 s once per
 machine, loading them from numba's on-disk cache ~0.55 s once per process): agents,
 the lab (up to 250 nodes), offline commands on smaller topologies and collecting the
-test suite never load it; of the tests, only the compiled path's own and one
-1000-node simulation do (``test_a_thousand_node_mesh_runs``: 21 s of CPU instead of
-27 s with scipy, numba's loading included). Without numba (it comes with the
-``controller`` extra), or if the kernel fails, ``floyd_warshall`` returns None after
-one log line and the caller uses scipy.
+test suite never load it; of the tests, only the compiled path's and the kernels' own
+and those on meshes of 256+ nodes do (one 1000-node simulation,
+``test_a_thousand_node_mesh_runs``: 21 s of CPU instead of 27 s with scipy, numba's
+loading included). Without numba (it comes with the ``controller`` extra), or if a
+kernel fails, ``floyd_warshall`` (``reduce_table``, ``backup_table``) returns None
+after one log line and the caller uses scipy (numpy).
 That includes a process that may not map executable memory (systemd's
 ``MemoryDenyWriteExecute=yes``, PR_SET_MDWE: numba's import raises PermissionError)
 and one where numba finds no writable cache directory (RuntimeError at import;
@@ -33,6 +36,7 @@ import importlib
 import logging
 import math
 from types import ModuleType
+from typing import Literal
 
 import numpy as np
 
@@ -120,6 +124,106 @@ def path_sums(next_hop: IntArray, edge: FloatArray) -> FloatArray:
         log.exception("compiled path sums failed: using scipy and numpy from now on")
         _state["kernel"] = None
         return reduce_paths(next_hop, edge, "sum")
+    return out
+
+
+def _failed(what: str) -> None:
+    """Log a kernel failure once and stop using numba in this process."""
+    log.exception("compiled %s failed: using scipy and numpy from now on", what)
+    _state["kernel"] = None
+
+
+def _index_table(next_hop: IntArray, n: int) -> IntArray | None:
+    """``next_hop`` as C-contiguous int64 if it is an n × n table of indices below n,
+    else None: the numpy code raises (IndexError) or broadcasts on the others, and the
+    kernels do not check bounds."""
+    nh = np.asarray(next_hop)
+    if nh.shape != (n, n) or not np.issubdtype(nh.dtype, np.integer):
+        return None
+    if n and int(nh.max()) >= n:
+        return None
+    return np.ascontiguousarray(nh, dtype=np.int64)
+
+
+def reduce_table(
+    next_hop: IntArray, edge: FloatArray, how: Literal["sum", "min"]
+) -> FloatArray | None:
+    """``tables.reduce_paths`` by the kernel: the same floats, to the bit (~3x faster at
+    1000 nodes), or None (use numpy) without numba, for inputs it does not take
+    (float32 edges in the masked way, out-of-range next hops, odd shapes) or if it fails.
+
+    Same floats because each destination column folds in the same values in the same
+    order as the whole-matrix pointer doubling (not a sequential walk, whose sums would
+    be associated differently): see ``_fw_numba.reduce_paths``.
+    """
+    k = _kernel()
+    n = next_hop.shape[0] if next_hop.ndim == 2 else -1
+    if k is None or n <= 0 or how not in ("sum", "min"):
+        return None
+    nh = _index_table(next_hop, n)
+    e = np.asarray(edge)
+    if nh is None or e.shape != (n, n):
+        return None
+    masked = not (how == "sum" and np.min(e) > -math.inf)  # as reduce_paths chooses
+    if masked and e.dtype != np.float64:  # numpy would fold in e's own dtype
+        return None
+    rounds = max(1, math.ceil(math.log2(n))) + 1
+    try:
+        out: FloatArray = k.reduce_paths(
+            nh, np.ascontiguousarray(e, dtype=np.float64), how == "min", masked, rounds
+        )
+    except Exception:
+        _failed("path reduction")
+        return None
+    return out
+
+
+def backup_table(
+    dist: FloatArray,
+    weights: FloatArray,
+    next_hop: IntArray,
+    srcs: IntArray,
+    dist_t: FloatArray | None,
+    constants: tuple[float, float, float],
+) -> IntArray | None:
+    """``backup._backup_next_hops`` by the kernel (the same array, ~5x faster at 1000
+    nodes), or None (use numpy) without numba, for inputs it does not take or if it fails.
+
+    ``constants``: backup.py's (_TOL_MS, _HUGE, _REJECT). The kernel computes the numpy
+    code's keys with the same float operations; it takes float64 inputs without NaN or
+    -inf (where a NaN key could appear and numpy's argmin would pick it).
+    """
+    k = _kernel()
+    n = dist.shape[0] if dist.ndim == 2 else -1
+    if k is None or n < 2:
+        return None
+    nh = _index_table(next_hop, n)
+    arrays = [dist, weights] if dist_t is None else [dist, weights, dist_t]
+    if nh is None or any(a.shape != (n, n) or a.dtype != np.float64 for a in arrays):
+        return None
+    if not (np.min(dist) > -math.inf and np.min(weights) > -math.inf):  # NaN fails too
+        return None
+    dt = np.ascontiguousarray(dist.T) if dist_t is None else np.ascontiguousarray(dist_t)
+    fin = dist[np.isfinite(dist)]
+    far = 2.0 * float(fin.max(initial=0.0)) + 1.0  # as _backup_next_hops
+    out = np.full((n, n), NO_ROUTE, dtype=np.int64)
+    tol, huge, reject = constants
+    try:
+        k.backup_next_hops(
+            np.ascontiguousarray(dist),
+            dt,
+            np.ascontiguousarray(weights),
+            nh,
+            np.ascontiguousarray(srcs, dtype=np.int64),
+            far,
+            tol,
+            huge,
+            reject,
+            out,
+        )
+    except Exception:
+        _failed("backup next hops")
+        return None
     return out
 
 

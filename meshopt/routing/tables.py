@@ -104,7 +104,27 @@ def reduce_paths(
     loop-free table, however long its paths (``walk_costs`` needs one round
     per hop). Unreachable, broken or looping pairs get inf for "sum" and 0
     for "min"; the diagonal gets 0 for "sum" and inf for "min".
+
+    From ``compiled.COMPILED_MIN_N`` nodes a numba kernel computes the same
+    floats, one destination at a time (~3x faster at 1000 nodes: the controller
+    calls this some 20 times per recompute); numpy without numba.
     """
+    n = next_hop.shape[0]
+    if n == 0:
+        return np.zeros((0, 0))
+    from meshopt.routing import compiled  # here: compiled imports this module
+
+    if compiled.use_compiled(n, None):
+        fast = compiled.reduce_table(next_hop, edge, how)
+        if fast is not None:
+            return fast
+    return _reduce_numpy(next_hop, edge, how)
+
+
+def _reduce_numpy(
+    next_hop: IntArray, edge: FloatArray, how: Literal["sum", "min"] = "sum"
+) -> FloatArray:
+    """``reduce_paths`` in numpy: the reference the kernel matches, and its fallback."""
     n = next_hop.shape[0]
     if n == 0:
         return np.zeros((0, 0))
