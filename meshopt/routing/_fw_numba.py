@@ -452,6 +452,39 @@ def backup_next_hops(
                         out[s, d] = alt
 
 
+@_jit()
+def min_plus(
+    pert: FloatArray,
+    cols_t: FloatArray,
+    src: IntArray,
+    col: IntArray,
+    val: FloatArray,
+    arg: IntArray,
+) -> None:
+    """For each entry e: ``val[e] = min_k pert[src[e], k] + cols_t[col[e], k]`` and its
+    argument, as numpy's ``argmin`` over the row of sums picks it: the first minimum,
+    or the first NaN where there is one (the urgent path's re-step of moved entries).
+    ``cols_t``: the distance columns transposed, so both operands are read along rows."""
+    n = pert.shape[1]
+    for e in range(src.shape[0]):
+        p = pert[src[e]]
+        c = cols_t[col[e]]
+        best = p[0] + c[0]
+        at = 0
+        if best == best:  # not NaN
+            for k in range(1, n):
+                v = p[k] + c[k]
+                if v != v:
+                    best = v
+                    at = k
+                    break
+                if v < best:
+                    best = v
+                    at = k
+        val[e] = best
+        arg[e] = at
+
+
 def warm_up() -> None:
     """Compile (or load from the cache) for the array types used: a 3-node run."""
     d = np.zeros((3, 3))
@@ -460,3 +493,4 @@ def warm_up() -> None:
     sum_paths(nh, d, 3)
     reduce_paths(nh, d, False, False, 3)
     backup_next_hops(d, d, d, nh, np.arange(3), 1.0, 1e-7, 1e300, 1e200, nh.copy())
+    min_plus(d, d, np.arange(3), np.arange(3), np.zeros(3), np.zeros(3, dtype=np.int64))

@@ -127,6 +127,34 @@ def path_sums(next_hop: IntArray, edge: FloatArray) -> FloatArray:
     return out
 
 
+def min_plus(
+    pert: FloatArray, dcols: FloatArray, src: IntArray, col: IntArray
+) -> tuple[FloatArray, IntArray] | None:
+    """For each entry e, min over k of ``pert[src[e], k] + dcols[k, col[e]]`` and the
+    argmin (numpy's: first minimum, first NaN), by the kernel without the n-wide
+    temporaries numpy needs per entry; None (use numpy) without numba or if it fails."""
+    k = _kernel()
+    if k is None or pert.ndim != 2 or dcols.ndim != 2 or dcols.shape[0] != pert.shape[1]:
+        return None
+    if pert.shape[1] == 0:
+        return None
+    val = np.empty(src.size)
+    arg = np.empty(src.size, dtype=np.int64)
+    try:
+        k.min_plus(
+            np.ascontiguousarray(pert, dtype=np.float64),
+            np.ascontiguousarray(dcols.T, dtype=np.float64),
+            np.ascontiguousarray(src, dtype=np.int64),
+            np.ascontiguousarray(col, dtype=np.int64),
+            val,
+            arg,
+        )
+    except Exception:
+        _failed("min-plus step")
+        return None
+    return val, arg
+
+
 def _failed(what: str) -> None:
     """Log a kernel failure once and stop using numba in this process."""
     log.exception("compiled %s failed: using scipy and numpy from now on", what)

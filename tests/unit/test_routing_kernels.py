@@ -256,3 +256,39 @@ def test_a_failing_kernel_falls_back_to_numpy(
         assert compiled._state["kernel"] is None
         assert np.array_equal(got, want)
     monkeypatch.delitem(compiled._state, "kernel")  # the next test imports it again
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    m=st.integers(1, 6),
+    k=st.integers(0, 30),
+    seed=st.integers(0, 2**32 - 1),
+    specials=st.sampled_from([(), (np.inf,), (np.nan,), (np.inf, np.nan, -np.inf)]),
+)
+def test_min_plus_kernel_matches_numpy(
+    n: int, m: int, k: int, seed: int, specials: tuple[float, ...]
+) -> None:
+    """The urgent path's min-plus step: the same minimum and argmin as numpy's argmin
+    (ties: the first; NaN: the first NaN), on coarse values that tie often."""
+    from meshopt.controller import urgent
+
+    rng = np.random.default_rng(seed)
+    pert = rng.integers(0, 4, (n, n)).astype(np.float64)
+    dcols = rng.integers(0, 4, (n, m)).astype(np.float64)
+    for v in specials:
+        pert[rng.random((n, n)) < 0.2] = v
+        dcols[rng.random((n, m)) < 0.2] = v
+    src = rng.integers(0, n, k)
+    col = rng.integers(0, m, k)
+    old = compiled.COMPILED_MIN_N
+    try:
+        compiled.COMPILED_MIN_N = 10**9
+        with np.errstate(invalid="ignore"):  # inf + -inf: NaN, on purpose
+            want = urgent._min_plus(pert, dcols, src, col)
+    finally:
+        compiled.COMPILED_MIN_N = old
+    got = compiled.min_plus(pert, dcols, src, col)
+    assert got is not None
+    assert np.array_equal(got[1], want[1])
+    assert np.array_equal(got[0], want[0], equal_nan=True)
