@@ -107,6 +107,10 @@ class Computed:
     errors: dict[str, str] = field(default_factory=dict)
     dropped: Counter[str] = field(default_factory=Counter)
     policy: PolicyConfig | None = None  # the policy the decision ran with
+    # Node -> (its route list, the offsets of each destination's routes in it), for
+    # lists laid out by destination with no prefix claimed twice (the urgent path then
+    # reads only the moved destinations' routes: ``core._patched_at``).
+    layouts: dict[str, tuple[list[Route], Int32Array]] = field(default_factory=dict)
 
 
 def _symmetrize(cost: FloatArray) -> FloatArray:
@@ -626,6 +630,8 @@ def route_sets(
             )
             if not redo.any():
                 out[s_name] = row.routes
+                if unique and row.routes is row.chunks.flat:
+                    c.layouts[s_name] = (row.routes, row.chunks.off)
                 c.dropped.update(row.dropped)
                 continue
             prev = row.chunks
@@ -644,6 +650,8 @@ def route_sets(
             if unique:
                 chunks = row.chunks  # the same routes cut the same way
         out[s_name] = routes
+        if unique and routes is chunks.flat:
+            c.layouts[s_name] = (routes, chunks.off)
         if cache is not None:
             base = tuned.base(s_name)
             cache.rows[s_name] = _Row(inputs, peers, chunks, routes, base, c.dropped - before)

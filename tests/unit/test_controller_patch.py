@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshopt.bus.messages import Route
-from meshopt.controller.core import _Base, _patched
+from meshopt.controller.core import _Base, _patched, _patched_at
 from meshopt.wireguard.keys import generate_keypair
 
 KEYS = [generate_keypair()[1] for _ in range(4)]
@@ -84,3 +84,46 @@ def test_key_for_keeps_the_last_key_per_index_and_no_negative_one() -> None:
     )
     assert base.key_for(0) == {1: KEYS[2], 5: KEYS[3]}
     assert base.key_for(1) == {}
+
+
+@st.composite
+def laid_out(draw: st.DrawFn) -> tuple[list[Route], np.ndarray]:
+    """A route list as the engine lays it out: by destination, each destination's fast
+    routes then its bulk routes (one per prefix and table), some destinations empty."""
+    routes: list[Route] = []
+    off = [0]
+    prefixes = {0: DSTS[0:2], 1: DSTS[2:3], 2: DSTS[3:4], 3: DSTS[4:6]}
+    for d in range(4):
+        if draw(st.booleans()):
+            for dst in prefixes[d]:
+                routes.append(Route(dst=dst, via=draw(st.sampled_from(KEYS))))
+            if draw(st.booleans()):
+                for dst in prefixes[d]:
+                    routes.append(Route(dst=dst, via=draw(st.sampled_from(KEYS)), table="bulk"))
+        off.append(len(routes))
+    return routes, np.array(off, dtype=np.int32)
+
+
+@settings(max_examples=400, deadline=None)
+@given(laid_out(), PATCH, PATCH, st.sets(st.integers(0, 3)))
+def test_patched_at_is_patched_where_it_answers(
+    lay: tuple[list[Route], np.ndarray],
+    fast: dict[str, Route | None],
+    bulk: dict[str, Route | None],
+    dests: set[int],
+) -> None:
+    """Reading only the moved destinations' routes gives what ``_patched`` gives, or
+    None (then ``_patched`` runs): never a different list."""
+    old, off = lay
+    owner = {dst: d for d, ps in enumerate([DSTS[0:2], DSTS[2:3], DSTS[3:4], DSTS[4:6]])
+             for dst in ps}  # fmt: skip
+    dests = dests | {owner[p] for p in [*fast, *bulk]}  # the plan names every one it moves
+    got = _patched_at(old, off, dests, fast, bulk)
+    if got is not None:
+        assert got == _patched(old, fast, bulk)
+    elif all(
+        any(r.dst == p and r.table == t for r in old)
+        for t, patch in (("fast", fast), ("bulk", bulk))
+        for p in patch
+    ):
+        raise AssertionError("every patched route was there: it should have answered")
