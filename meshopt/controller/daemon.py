@@ -125,6 +125,7 @@ class Controller:
             max_workers=1, thread_name_prefix="recompute"
         )
         self.gate = PassGate()
+        self._urgent_log: tuple[float, float, int] | None = None  # began, took, sets
         self.core.engine.checkpoint = self.gate.checkpoint
 
     async def _on_connect(self) -> None:
@@ -194,7 +195,21 @@ class Controller:
                     self.gate.release()
                 if urgent:
                     # Beside a recompute in progress, not behind it (issue 15).
-                    self._send(self.core.urgent_plan(now, wall))
+                    began = time.perf_counter()
+                    planned = self.core.urgent_plan(now, wall)
+                    if planned:
+                        self._urgent_log = (began, time.perf_counter() - began, len(planned))
+                    self._send(planned)
+                elif self._urgent_log is not None and not self._urgent_waiting():
+                    began, took, count = self._urgent_log
+                    self._urgent_log = None
+                    log.info(
+                        "urgent: %d route sets planned in %.2f s, all signed and handed to "
+                        "the broker %.2f s after the plan began",
+                        count,
+                        took,
+                        time.perf_counter() - began,
+                    )
                 # The full pass waits until the urgent sets have left the queue: it
                 # would take the GIL from the loop that signs and sends them.
                 if not busy and not self._urgent_waiting() and self.core.recompute_due(now, wall):
