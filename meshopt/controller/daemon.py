@@ -55,6 +55,7 @@ MAX_IN_FLIGHT = 8  # route sets published at once (each awaits its own PUBACK)
 LIVE_KINDS = frozenset({"lease", "controller_status"})
 SUMMARY_S = 2.0  # how often a changed tally of dropped input is logged
 DRAIN_SLICE_S = 0.02  # longest run of held messages taken without yielding to the loop
+URGENT_FIRST_MAX_S = 5.0  # longest the held messages wait for urgent sets to be signed
 # The cycle collector's thresholds while the daemon runs (Python's are 700, 10, 10). At
 # 1000 nodes the controller holds ~2.1 million GC-tracked objects (row caches, bulk
 # settings), and with the default a young collection came every 700 allocations and a
@@ -298,9 +299,23 @@ class Controller:
                 if time.perf_counter() - t >= DRAIN_SLICE_S and i + 1 < len(batch):
                     # The rest of this batch goes before anything held meanwhile.
                     self._deferred = batch[i + 1 :] + self._deferred
-                    await asyncio.sleep(0)
+                    await self._after_urgent()
                     t = time.perf_counter()
                     break
+
+    async def _after_urgent(self) -> None:
+        """Yield the loop, and keep it yielded while urgent route sets wait to be signed
+        (up to ``URGENT_FIRST_MAX_S``): the backlog held during a pass is telemetry the
+        urgent path has already read ahead, and at 1000 nodes taking it slice by slice
+        beside the publishers cost them half the loop around a dead relay."""
+        await asyncio.sleep(0)
+        deadline = self.clock() + URGENT_FIRST_MAX_S
+        while (
+            self._urgent_waiting()
+            and self.core.may_publish(self.wall())
+            and self.clock() < deadline
+        ):
+            await asyncio.sleep(DRAIN_SLICE_S / 4)
 
     async def _on_message(self, topic: str, payload: bytes, retained: bool) -> None:
         if self._computing:

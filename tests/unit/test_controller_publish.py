@@ -420,3 +420,40 @@ def test_the_daemon_runs_with_its_gc_thresholds_and_gives_the_old_ones_back(
     asyncio.run(_run(rig, body))
     assert seen == [GC_THRESHOLDS, GC_THRESHOLDS]
     assert gc.get_threshold() == before
+
+
+def test_held_messages_wait_while_urgent_route_sets_wait_to_be_signed(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Issue 15: after a pass at 1000 nodes the held backlog was taken slice by slice
+    beside the publishers signing a dead relay's sets, and took half the loop from them.
+    The drain now waits while urgent sets are queued (the urgent path read the backlog
+    ahead already), then takes everything in order."""
+    import meshopt.controller.daemon as daemon
+    from meshopt.controller.core import URGENT, Publish
+
+    monkeypatch.setattr(daemon, "DRAIN_SLICE_S", 0.0)  # yield after every message
+    ctl = Rig(tmp_path, 3, delay_s=0.0).ctl
+    monkeypatch.setattr(ctl.core, "may_publish", lambda wall: True)
+    taken: list[bytes] = []
+    ctl._take = lambda topic, payload, retained: taken.append(payload)  # type: ignore[method-assign]
+    topic = Topics(MESH).telemetry("n0001")
+    ctl._deferred = [(topic, b"held%d" % i, False) for i in range(6)]
+    ctl._computing = True
+    urgent = Publish("t", b"", True, node="n0002", priority=URGENT)
+    taken_while_urgent: list[int] = []
+
+    async def body() -> None:
+        async def publisher() -> None:
+            await asyncio.sleep(0.3)
+            taken_while_urgent.append(len(taken))
+            del ctl.pending["n0002"]  # signed and handed on
+
+        ctl.pending["n0002"] = urgent  # a dead relay's set, queued
+        task = asyncio.create_task(publisher())
+        await ctl._drain_deferred()
+        await task
+
+    asyncio.run(body())
+    assert taken == [b"held%d" % i for i in range(6)]
+    assert taken_while_urgent == [1]  # one slice, then nothing until the set was signed
