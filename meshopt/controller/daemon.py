@@ -324,8 +324,12 @@ class Controller:
                 self._deferred.append((topic, payload, retained))
                 # A failure in it is acted on now (the next tick's urgent plan), not
                 # after the recompute; the message itself is taken in turn.
-                if not retained:
-                    self.core.peek(topic, payload, self.clock(), self.wall())
+                if not retained and self.core.peek(topic, payload, self.clock(), self.wall()):
+                    log.info(
+                        "urgent: a failure read ahead in %s (%d held)", topic, len(self._deferred)
+                    )
+                elif retained:
+                    log.debug("held unread (retained): %s", topic)
                 return
         self._take(topic, payload, retained)
 
