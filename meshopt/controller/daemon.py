@@ -324,12 +324,11 @@ class Controller:
                 self._deferred.append((topic, payload, retained))
                 # A failure in it is acted on now (the next tick's urgent plan), not
                 # after the recompute; the message itself is taken in turn.
+                held = len(self._deferred)
                 if not retained and self.core.peek(topic, payload, self.clock(), self.wall()):
-                    log.info(
-                        "urgent: a failure read ahead in %s (%d held)", topic, len(self._deferred)
-                    )
-                elif retained:
-                    log.debug("held unread (retained): %s", topic)
+                    log.info("urgent: a failure read ahead in %s (%d held)", topic, held)
+                elif retained and parsed is not None and parsed[0] == "status":
+                    log.info("held unread: a retained status on %s (%d held)", topic, held)
                 return
         self._take(topic, payload, retained)
 
