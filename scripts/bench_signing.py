@@ -437,7 +437,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--baseline", type=Path, help="an earlier JSON output to compare with")
     ap.add_argument("--route-sets", action="store_true", help="CPU of signing large route sets")
-    ap.add_argument("--against", default="main", help="git revision of the old messages.py")
+    ap.add_argument(
+        "--against",
+        default="6d69e47",
+        help="git revision of the old messages.py (6d69e47: before the columns)",
+    )
     ap.add_argument("--sets", type=int, default=50, help="synthetic route sets")
     ap.add_argument("--relays", type=int, default=70, help="relays of a synthetic set")
     ap.add_argument("--rounds", type=int, default=5)

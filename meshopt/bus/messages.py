@@ -1071,10 +1071,30 @@ def _check_route(r: Route, i: int) -> None:
         raise _bad("bad_value", f"{f}.congctl is not a congestion control name")
 
 
-def _tunings_ok(tunings: Iterable[_Tuning]) -> bool:
+def _tunings_ok(routes: Sequence[Route]) -> bool:
     """Every route's TCP settings in range, field by field over the few distinct values
     (each field's range does not depend on the others; the bounds of
-    :func:`_check_route`). ``tunings``: the distinct settings of the routes."""
+    :func:`_check_route`)."""
+    for lo, vals in (
+        (68, {r.mtu for r in routes}),
+        (1, {r.advmss for r in routes}),
+        (1, {r.initcwnd for r in routes}),
+        (1, {r.initrwnd for r in routes}),
+    ):
+        vals.discard(None)
+        if not all(lo <= v <= 65535 for v in vals):  # type: ignore[operator]
+            return False
+    windows = {r.window for r in routes if r.window is not None}
+    if not all(1 <= v <= _MAX_I63 for v in windows):
+        return False
+    names = {r.congctl for r in routes}
+    names.discard(None)
+    return names <= _valid_congctl
+
+
+def _distinct_tunings_ok(tunings: Iterable[_Tuning]) -> bool:
+    """:func:`_tunings_ok` over the routes' distinct TCP settings (``tunings``): the same
+    values field by field, in the same order."""
     mtu, advmss, initcwnd, initrwnd, window, congctl = list(zip(*tunings, strict=True)) or [()] * 6
     for lo, vals in (
         (68, set(mtu)),
@@ -1094,20 +1114,43 @@ def _tunings_ok(tunings: Iterable[_Tuning]) -> bool:
     return names <= _valid_congctl
 
 
-def _check_routes(routes: Sequence[Route], c: _RouteColumns | None = None) -> _RouteColumns:
-    """Every route possible, and at most one per destination and table; the routes'
-    columns (``c`` if given: those of ``routes``), for :func:`pack_routes` to reuse.
+def _check_routes(routes: Sequence[Route]) -> None:
+    """Every route possible, and at most one per destination and table.
 
     First column by column, against the keys and prefixes already found valid (set
-    operations over the distinct peers and prefixes; a set of a 1000-node mesh repeats
-    the same ~1000 of each in its 2000 routes) and over the few distinct TCP settings.
-    Only a set that misses there is checked route by route (:func:`_check_route`
-    raises, or remembers what it found valid), with the same reasons in the same order.
-    Route by route was half of the ~12 ms of CPU the controller spent signing a set at
-    1000 nodes, and agents run this on every set they take (issue 15).
+    operations over list comprehensions; a set of a 1000-node mesh repeats the same
+    ~1000 of each in its 2000 routes) and over the few distinct TCP settings. Only a
+    set that misses there is checked route by route (:func:`_check_each_route`), with
+    the same reasons in the same order. Route by route was half of the ~12 ms of CPU the
+    controller spent signing a set at 1000 nodes, and agents run this on every set they
+    take (issue 15). :func:`encode` checks the same with :func:`_check_columns`.
     """
-    if c is None:
-        c = _RouteColumns(routes)
+    dst = [r.dst for r in routes]
+    via = [r.via for r in routes]
+    backup = [r.backup for r in routes]
+    backups = set(backup)
+    backups.discard(None)
+    fast = [r.dst for r in routes if r.table == "fast"]
+    bulk = [r.dst for r in routes if r.table == "bulk"]
+    if (
+        _valid_prefixes.issuperset(dst)
+        and _valid_keys.issuperset(via)
+        and _valid_keys.issuperset(backups)
+        and not any(map(operator.eq, backup, via))
+        and len(fast) + len(bulk) == len(routes)
+        and len(set(fast)) == len(fast)
+        and len(set(bulk)) == len(bulk)
+        and _tunings_ok(routes)
+    ):
+        return
+    _check_each_route(routes)
+
+
+def _check_columns(routes: Sequence[Route], c: _RouteColumns) -> None:
+    """:func:`_check_routes` on the columns :func:`encode` packs with (``c``: those of
+    ``routes``): the distinct prefixes, peers and TCP settings are at hand there, and
+    the table bytes say which routes are fast or bulk. The same sets pass; any other
+    goes route by route, as there."""
     if c.table is not None:  # every table fast or bulk: then each destination once a table
         fast = list(compress(c.dst, c.table.translate(_FLIP)))
         bulk = list(compress(c.dst, c.table))
@@ -1118,9 +1161,14 @@ def _check_routes(routes: Sequence[Route], c: _RouteColumns | None = None) -> _R
         and not any(map(operator.eq, c.backup, c.via))
         and len(set(fast)) == len(fast)
         and len(set(bulk)) == len(bulk)
-        and _tunings_ok(c.tunings)
+        and _distinct_tunings_ok(c.tunings)
     ):
-        return c
+        return
+    _check_each_route(routes)
+
+
+def _check_each_route(routes: Sequence[Route]) -> None:
+    """Route by route: :func:`_check_route` raises, or remembers what it found valid."""
     seen: set[tuple[str, str]] = set()
     for i, r in enumerate(routes):
         _check_route(r, i)
@@ -1129,7 +1177,6 @@ def _check_routes(routes: Sequence[Route], c: _RouteColumns | None = None) -> _R
         if (r.dst, r.table) in seen:
             raise _bad("bad_value", f"routes[{i}]: second route to {r.dst} ({r.table})")
         seen.add((r.dst, r.table))
-    return c
 
 
 def validate(msg: Message) -> None:
@@ -1137,8 +1184,9 @@ def validate(msg: Message) -> None:
     _validate(msg)
 
 
-def _validate(msg: Message) -> _RouteColumns | None:
-    """:func:`validate`; of a RouteSet, its routes' columns (for :func:`encode`)."""
+def _validate(msg: Message, columns: bool = False) -> _RouteColumns | None:
+    """:func:`validate`; with ``columns``, a RouteSet's routes are checked on their
+    columns, which it returns (:func:`encode` packs with them)."""
     if msg.v != SCHEMA_VERSION:
         raise _bad("bad_version", f"v={msg.v}, this side speaks {SCHEMA_VERSION}")
     if isinstance(msg, Telemetry):
@@ -1178,7 +1226,11 @@ def _validate(msg: Message) -> _RouteColumns | None:
         _int(msg.term, "term", 0, _MAX_I63)
         _num(msg.issued_at, "issued_at")
         _count(msg.routes, "routes", MAX_ROUTES)
-        return _check_routes(msg.routes)
+        if columns:
+            c = _RouteColumns(msg.routes)
+            _check_columns(msg.routes, c)
+            return c
+        _check_routes(msg.routes)
     elif isinstance(msg, Signed):
         _text(msg.key_id, "key_id", 64)
         _count(msg.signature, "signature", 64)
@@ -1243,14 +1295,15 @@ def encode(msg: Message) -> bytes:
     envelope stays JSON (text on the bus, for every reader and tool), with the payload
     in base64 as for every kind.
     """
-    cols = _validate(msg)
+    cols = _validate(msg, columns=True)
     if isinstance(msg, Telemetry) and msg.table is not None:
         return _mp_encoder.encode(msg)
     if cols is not None:
         assert isinstance(msg, RouteSet)
-        # Too large as JSON (about 1,400 destinations with bulk routes): packed. Most
-        # such sets are certainly too large by their routes alone: no JSON made.
-        if _signed_size(_json_size_at_least(msg, cols)) > MAX_PAYLOAD_BYTES:
+        # Too large as JSON (about 1,400 destinations with bulk routes): packed. A set
+        # whose JSON is longer than a bound already too large is too large itself
+        # (_signed_size never falls as the payload grows): packed without making it.
+        if _signed_size(_json_size_at_least(cols)) > MAX_PAYLOAD_BYTES:
             return _mp_encoder.encode(_pack_routes(msg, cols))
         data = _encoder.encode(msg)
         if _signed_size(len(data)) > MAX_PAYLOAD_BYTES:
@@ -1266,13 +1319,15 @@ _JSON_SET_MIN: Final = len(
 )
 # ... and of each valid route: dst a prefix (at least 4 characters: "::/0"), via a key
 # (44), then a comma between routes; a backup (a key); a table that is not "fast" (so
-# "bulk"); each TCP setting that is not None (a number: a digit at least; congctl a
-# name of 1-15 characters). A JSON string is at least its characters and 2 quotes.
+# "bulk"); each TCP setting that is not None (a number: a digit at least, two for an
+# mtu of 68 or more; congctl a name of 1-15 characters). A JSON string is at least its
+# characters and 2 quotes (tests/unit/test_route_set_signed_bytes.py: never above the
+# JSON, and exact for the shortest valid routes).
 _JSON_ROUTE_MIN: Final = len(b'{"dst":"::/0","via":""},') + 44
 _JSON_BACKUP_MIN: Final = len(b',"backup":""') + 44
 _JSON_BULK_MIN: Final = len(b',"table":"bulk"')
 _JSON_TUNING_MIN: Final = (
-    len(b',"mtu":0'),
+    len(b',"mtu":68'),
     len(b',"advmss":0'),
     len(b',"initcwnd":0'),
     len(b',"initrwnd":0'),
@@ -1281,15 +1336,12 @@ _JSON_TUNING_MIN: Final = (
 )
 
 
-def _json_size_at_least(rs: RouteSet, c: _RouteColumns) -> int:
-    """A lower bound of ``len(msgspec.json.encode(rs))`` for a valid ``rs`` (``c``: its
-    columns), from counts only; the TCP settings are counted (a pass per distinct one)
-    only when the rest does not already put the JSON over the limit."""
+def _json_size_at_least(c: _RouteColumns) -> int:
+    """A lower bound of the JSON length of a valid RouteSet whose routes' columns are
+    ``c``, from counts only; the TCP settings are counted (a pass per distinct one) only
+    when the rest does not already put it over the limit."""
     n = len(c.dst)
-    if c.table is not None:
-        bulk = c.table.count(1)
-    else:
-        bulk = n - list(map(operator.eq, [r.table for r in rs.routes], repeat("fast"))).count(True)
+    bulk = 0 if c.table is None else c.table.count(1)  # None: tables taken as all fast
     size = (
         _JSON_SET_MIN
         + n * _JSON_ROUTE_MIN
