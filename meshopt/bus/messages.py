@@ -704,16 +704,20 @@ def _raw_key(k: str) -> bytes:
     return raw
 
 
-# i -> i as 2 little-endian bytes (the packed index columns), grown on demand up to
-# 0xFFFF: a column is one dict lookup and one join per route, no list of ints to convert.
-_U16_LE: list[bytes] = []
+# i -> i as 2 little-endian bytes (the packed index columns), as many as the largest
+# list packed so far needed (at most 0xFFFF): a column is one dict lookup and one join
+# per route, no list of ints to convert. Replaced, never extended, when it grows.
+_u16_le: list[bytes] = []
 
 
 def _u16_codes(uniq: Sequence[Any]) -> dict[Any, bytes]:
     """``uniq``'s values (fewer than 0xFFFF, distinct) -> their index as 2 LE bytes."""
-    if len(_U16_LE) < len(uniq):
-        _U16_LE.extend([i.to_bytes(2, "little") for i in range(len(_U16_LE), len(uniq))])
-    return dict(zip(uniq, _U16_LE, strict=False))
+    global _u16_le
+    codes = _u16_le
+    if len(codes) < len(uniq):
+        codes = [i.to_bytes(2, "little") for i in range(len(uniq))]
+        _u16_le = codes
+    return dict(zip(uniq, codes, strict=False))
 
 
 # Route.table -> its byte in the packed ``table`` column.
