@@ -727,7 +727,7 @@ _FLIP: Final = bytes.maketrans(b"\x00\x01", b"\x01\x00")
 
 class _RouteColumns:
     """A route set's routes column by column, each computed once for both the check
-    (:func:`_check_routes`) and the packing (:func:`pack_routes`), with comprehensions
+    (:func:`_check_columns`) and the packing (:func:`pack_routes`), with comprehensions
     and C-level maps: at 1000 nodes the controller signs ~600 sets of ~2000 routes one
     after another when a relay dies (issue 15).
 
@@ -1155,6 +1155,8 @@ def _check_columns(routes: Sequence[Route], c: _RouteColumns) -> None:
     ``routes``): the distinct prefixes, peers and TCP settings are at hand there, and
     the table bytes say which routes are fast or bulk. The same sets pass; any other
     goes route by route, as there."""
+    fast: list[str] = []
+    bulk: list[str] = []
     if c.table is not None:  # every table fast or bulk: then each destination once a table
         fast = list(compress(c.dst, c.table.translate(_FLIP)))
         bulk = list(compress(c.dst, c.table))
