@@ -28,7 +28,8 @@ this tree's ``sign`` against ``meshopt/bus/messages.py`` of git revision ``--aga
 compared. Sets: synthetic (one node's set in an N-node mesh: a fast route with a
 backup and a bulk route with TCP settings per destination; ``--relays`` relays, 0: every
 peer its own next hop) or, with ``--from-controller``, the sets ControllerCore makes
-for a dead relay (meshopt.bench.synthetic; at 1000 nodes about a minute and 1.7 GB).
+for a dead relay (meshopt.bench.synthetic; at 1000 nodes about a minute and 1.7 GB;
+the daemon's GC thresholds).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_signing.py --route-sets --nodes 1000
     PYTHONPATH=. .venv/bin/python scripts/bench_signing.py --route-sets --from-controller
@@ -37,6 +38,7 @@ for a dead relay (meshopt.bench.synthetic; at 1000 nodes about a minute and 1.7 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import importlib.util
 import json
@@ -355,6 +357,7 @@ def controller_sets(nodes: int, seed: int) -> list[RouteSet]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_controller_inproc as inproc
 
+    gc.set_threshold(*inproc.GC_THRESHOLDS)  # as the controller daemon runs (and signs)
     b = inproc.Bench(nodes, seed)
     sets: list[RouteSet] = []
     keep = inproc.ControllerCore.sign_routes
@@ -454,7 +457,9 @@ def main() -> int:
             if args.from_controller
             else synthetic_sets(n, args.sets, args.relays, args.seed)
         )
-        res = {"nodes": n, "from_controller": args.from_controller, "relays": args.relays}
+        res: dict[str, Any] = {"nodes": n, "from_controller": args.from_controller}
+        if not args.from_controller:
+            res["relays"] = args.relays
         res |= route_set_cpu(sets, args.against, args.rounds)
         print(json.dumps(res, indent=2))
         return 0 if res["bytes_identical"] else 1
