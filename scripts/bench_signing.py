@@ -19,16 +19,34 @@ largest message), over the baseline core's CPU for the workload (its minimum ove
 
     .venv/bin/python scripts/bench_signing.py
     .venv/bin/python scripts/bench_signing.py --nodes 50 --runs 5 --baseline old.json
+
+``--route-sets``: instead, the CPU of signing large route sets (issue 15: a dead relay at
+1000 nodes makes ~600 sets of ~2000 routes that the controller signs one after another),
+this tree's ``sign`` against ``meshopt/bus/messages.py`` of git revision ``--against``
+(loaded from git as a module of its own), alternating in one process on the same sets:
+``time.process_time`` per set, median of ``--rounds``; every set's signed bytes are
+compared. Sets: synthetic (one node's set in an N-node mesh: a fast route with a
+backup and a bulk route with TCP settings per destination; ``--relays`` relays, 0: every
+peer its own next hop) or, with ``--from-controller``, the sets ControllerCore makes
+for a dead relay (meshopt.bench.synthetic; at 1000 nodes about a minute and 1.7 GB;
+the daemon's GC thresholds).
+
+    PYTHONPATH=. .venv/bin/python scripts/bench_signing.py --route-sets --nodes 1000
+    PYTHONPATH=. .venv/bin/python scripts/bench_signing.py --route-sets --from-controller
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import hashlib
+import importlib.util
 import json
 import math
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 import timeit
@@ -37,6 +55,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -60,7 +80,7 @@ from meshopt.bus.signing import KeyRing, generate_signing_key, open_signed, sign
 from meshopt.bus.topics import Topics
 from meshopt.controller.config import ControllerConfig, Enrolment
 from meshopt.controller.core import ControllerCore
-from meshopt.wireguard.keys import generate_keypair
+from meshopt.wireguard.keys import generate_keypair, key_from_bytes
 
 MESH = "bench"
 T0 = 1_800_000_000.0
@@ -305,6 +325,113 @@ def measure(w: Workload, batches: list[list[tuple[str, bytes]]], runs: int) -> d
     }
 
 
+def synthetic_sets(nodes: int, count: int, relays: int, seed: int) -> list[RouteSet]:
+    """``count`` nodes' route sets in a ``nodes``-node mesh as the controller builds them:
+    per destination a fast route (direct or via one of ``relays`` relays; a backup for
+    98 %) and a bulk route on the same next hop with mtu and advmss (as ControllerCore's
+    sets at 1000 nodes: ~70 distinct next hops and backups per set)."""
+    rng = random.Random(seed)
+    keys = [key_from_bytes(hashlib.sha256(b"k%d" % i).digest()) for i in range(nodes)]
+    out = []
+    for x in range(count):
+        me = x % nodes
+        peers = [k for i, k in enumerate(keys) if i != me]
+        hubs = rng.sample(peers, relays) if relays else peers
+        routes = []
+        for i, k in enumerate(peers):
+            dst = f"10.{64 + i // 65536}.{(i // 256) % 256}.{i % 256}/32"
+            via = k if not relays or rng.random() < 0.3 else rng.choice(hubs)
+            backup = None if rng.random() < 0.02 else rng.choice(hubs)
+            routes.append(Route(dst=dst, via=via, backup=None if backup == via else backup))
+            routes.append(Route(dst=dst, via=via, table="bulk", mtu=1420, advmss=1380))
+        out.append(
+            RouteSet(mesh=MESH, node=f"n{me:04d}", version=int(T0) * 1000 + x, issued_at=T0,
+                     controller="ctl1", term=3, routes=routes)
+        )  # fmt: skip
+    return out
+
+
+def controller_sets(nodes: int, seed: int) -> list[RouteSet]:
+    """The route sets ControllerCore makes when the busiest relay of a ``nodes``-node
+    synthetic mesh dies (scripts/bench_controller_inproc.py's run up to the urgent plan)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_controller_inproc as inproc
+
+    gc.set_threshold(*inproc.GC_THRESHOLDS)  # as the controller daemon runs (and signs)
+    b = inproc.Bench(nodes, seed)
+    sets: list[RouteSet] = []
+    keep = inproc.ControllerCore.sign_routes
+
+    def capture(self: Any, a: Any, wall: float) -> Any:
+        if a.node is not None:
+            sets.append(
+                RouteSet(mesh=self.cfg.mesh, node=a.node, version=self.version + 1,
+                         issued_at=wall, controller=self.cfg.id, term=self.lease.term,
+                         routes=list(a.routes))
+            )  # fmt: skip
+        return keep(self, a, wall)
+
+    inproc.ControllerCore.sign_routes = capture  # type: ignore[method-assign]
+    try:
+        b.run(0)  # up to the dead relay's urgent plan and after (its sets: the first ones)
+    finally:
+        inproc.ControllerCore.sign_routes = keep  # type: ignore[method-assign]
+    return sets[: b.out["death_urgent_sets"]]
+
+
+def old_messages(rev: str) -> Any:
+    """meshopt/bus/messages.py of git revision ``rev`` as a module of its own."""
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(
+        ["git", "-C", str(root), "show", f"{rev}:meshopt/bus/messages.py"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    spec = importlib.util.spec_from_loader("_old_bus_messages", loader=None)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # msgspec resolves the Structs' annotations through it
+    exec(compile(src, f"{rev}:meshopt/bus/messages.py", "exec"), mod.__dict__)
+    return mod
+
+
+def route_set_cpu(sets: list[RouteSet], rev: str, rounds: int) -> dict[str, Any]:
+    """CPU per signed set, this tree's sign against ``rev``'s messages.py, alternating."""
+    old = old_messages(rev)
+    key, _ = generate_signing_key()
+    kid = "0123456789abcdef"
+    old_sets = [msgspec.convert(msgspec.to_builtins(rs), old.RouteSet) for rs in sets]
+
+    def old_sign(rs: Any) -> bytes:  # meshopt.bus.signing.sign on the old module
+        payload = old.encode(rs)
+        sig = key.sign(b"meshopt-signed-v1\nroutes\n" + payload)
+        return old.encode(old.Signed(kind="routes", payload=payload, signature=sig, key_id=kid))  # type: ignore[no-any-return]
+
+    def new_sign(rs: RouteSet) -> bytes:
+        return sign("routes", rs, key, kid)
+
+    same = all(old_sign(o) == new_sign(n) for o, n in zip(old_sets, sets, strict=True))
+    runs: dict[str, list[float]] = {"old": [], "new": []}
+    for i in range(rounds):
+        for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+            fn, batch = (old_sign, old_sets) if name == "old" else (new_sign, sets)
+            t = time.process_time()
+            for rs in batch:
+                fn(rs)
+            runs[name].append(1000 * (time.process_time() - t) / len(batch))
+    old_ms, new_ms = statistics.median(runs["old"]), statistics.median(runs["new"])
+    return {
+        "sets": len(sets),
+        "routes_per_set": round(statistics.mean(len(rs.routes) for rs in sets), 1),
+        "against": rev,
+        "bytes_identical": same,
+        "old_ms_per_set": round(old_ms, 3),
+        "new_ms_per_set": round(new_ms, 3),
+        "speedup": round(old_ms / new_ms, 2),
+        "old_ms_rounds": [round(x, 3) for x in runs["old"]],
+        "new_ms_rounds": [round(x, 3) for x in runs["new"]],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=50)
@@ -312,7 +439,30 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3, help="signed/baseline pairs")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--baseline", type=Path, help="an earlier JSON output to compare with")
+    ap.add_argument("--route-sets", action="store_true", help="CPU of signing large route sets")
+    ap.add_argument(
+        "--against",
+        default="6d69e47",
+        help="git revision of the old messages.py (6d69e47: before the columns)",
+    )
+    ap.add_argument("--sets", type=int, default=50, help="synthetic route sets")
+    ap.add_argument("--relays", type=int, default=70, help="relays of a synthetic set")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--from-controller", action="store_true", help="ControllerCore's sets")
     args = ap.parse_args()
+    if args.route_sets:
+        n = 1000 if args.nodes == 50 else args.nodes  # --nodes' default is the 50-node run's
+        sets = (
+            controller_sets(n, args.seed)
+            if args.from_controller
+            else synthetic_sets(n, args.sets, args.relays, args.seed)
+        )
+        res: dict[str, Any] = {"nodes": n, "from_controller": args.from_controller}
+        if not args.from_controller:
+            res["relays"] = args.relays
+        res |= route_set_cpu(sets, args.against, args.rounds)
+        print(json.dumps(res, indent=2))
+        return 0 if res["bytes_identical"] else 1
     w = Workload(args.nodes, args.seed)
     out: dict[str, Any] = {"nodes": args.nodes, "simulated_s": args.seconds}
     for name, every in (("agents", False), ("every_second", True)):

@@ -60,7 +60,8 @@ import math
 import operator
 import sys
 from array import array
-from collections.abc import Sequence, Sized
+from collections.abc import Iterable, Sequence, Sized
+from itertools import compress, repeat
 from typing import Any, Final, Literal, TypeVar
 
 import msgspec
@@ -683,6 +684,7 @@ class PackedRouteSet(msgspec.Struct, kw_only=True, frozen=True):
 
 
 _NONE_U16: Final = 0xFFFF
+_NONE_LE: Final = _NONE_U16.to_bytes(2, "little")
 _TABLES: Final[tuple[Literal["fast", "bulk"], ...]] = ("fast", "bulk")
 _TABLE_NAMES: Final = frozenset(_TABLES)
 
@@ -702,48 +704,120 @@ def _raw_key(k: str) -> bytes:
     return raw
 
 
-def _index_of(uniq: list[Any]) -> dict[Any, int]:
-    return {v: i for i, v in enumerate(uniq)}
+# i -> i as 2 little-endian bytes (the packed index columns), as many as the largest
+# list packed so far needed (at most 0xFFFF): a column is one dict lookup and one join
+# per route, no list of ints to convert. Replaced, never extended, when it grows.
+_u16_le: list[bytes] = []
+
+
+def _u16_codes(uniq: Sequence[Any]) -> dict[Any, bytes]:
+    """``uniq``'s values (fewer than 0xFFFF, distinct) -> their index as 2 LE bytes."""
+    global _u16_le
+    codes = _u16_le
+    if len(codes) < len(uniq):
+        codes = [i.to_bytes(2, "little") for i in range(len(uniq))]
+        _u16_le = codes
+    return dict(zip(uniq, codes, strict=False))
+
+
+# Route.table -> its byte in the packed ``table`` column.
+_TABLE_BYTE: Final[dict[str, int]] = {"fast": 0, "bulk": 1}
+_FLIP: Final = bytes.maketrans(b"\x00\x01", b"\x01\x00")
+
+
+class _RouteColumns:
+    """A route set's routes column by column, each computed once for both the check
+    (:func:`_check_columns`) and the packing (:func:`pack_routes`), with comprehensions
+    and C-level maps: at 1000 nodes the controller signs ~600 sets of ~2000 routes one
+    after another when a relay dies (issue 15).
+
+    ``table``: a byte per route (0 fast, 1 bulk), None if a route's table is neither
+    (the check then goes route by route). ``tunings``: each distinct TCP setting (mtu,
+    advmss, initcwnd, initrwnd, window, congctl) in first-use order -> the index of the
+    first route with it; ``tuning``: that index per route (a tuple is hashed once).
+    ``peers``: every via, then the backups, each once (``via_none``: a via is None).
+    """
+
+    __slots__ = (
+        "backup",
+        "dst",
+        "peers",
+        "prefixes",
+        "table",
+        "tuning",
+        "tunings",
+        "via",
+        "via_none",
+    )
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self.dst = [r.dst for r in routes]
+        self.via = [r.via for r in routes]
+        self.backup = [r.backup for r in routes]
+        self.table: bytes | None
+        try:
+            self.table = bytes([_TABLE_BYTE[r.table] for r in routes])
+        except KeyError:
+            self.table = None
+        self.tunings: dict[_Tuning, int] = {}
+        first = self.tunings.setdefault
+        self.tuning = [
+            first((r.mtu, r.advmss, r.initcwnd, r.initrwnd, r.window, r.congctl), i)
+            for i, r in enumerate(routes)
+        ]
+        peers: dict[str | None, None] = dict.fromkeys(self.via)
+        self.via_none = None in peers
+        peers.update(dict.fromkeys(self.backup))
+        if not self.via_none:
+            peers.pop(None, None)
+        # None stays only when it is a via: then the check goes route by route (None is
+        # not a valid key) and packing refuses it as before (bad_key).
+        self.peers: dict[str, None] = peers  # type: ignore[assignment]
+        self.prefixes: dict[str, None] = dict.fromkeys(self.dst)
+
+    def has_backups(self) -> bool:
+        return self.backup.count(None) != len(self.backup)
 
 
 def pack_routes(rs: RouteSet) -> PackedRouteSet:
     """The packed form of ``rs`` (routes in the same order).
 
     Lists in first-use order (peers: every ``via``, then the backups), indexes by dict
-    lookups in comprehensions over the routes' columns: no Python call per route
-    (issue 15: packing was the other half of signing a 1000-node set)."""
-    routes = rs.routes
-    dsts = [r.dst for r in routes]
-    vias = [r.via for r in routes]
-    backups = [r.backup for r in routes]
-    peers: list[str] = list(dict.fromkeys([*vias, *(b for b in backups if b is not None)]))
-    at = _index_of(peers)
-    via = [at[v] for v in vias]
-    backup = [_NONE_U16 if b is None else at[b] for b in backups]
-    prefixes: list[str] = list(dict.fromkeys(dsts))
-    at = _index_of(prefixes)
-    dst = [at[d] for d in dsts]
-    settings = [_tuning_of(r) for r in routes]
-    uniq = [t for t in dict.fromkeys(settings) if t != _NO_TUNING_T]
-    tunings = [Tuning(*t) for t in uniq]
-    t_at: dict[Any, int] = _index_of(uniq)
-    t_at[_NO_TUNING_T] = _NONE_U16
-    tuning_idx = [t_at[t] for t in settings]
-    if max(len(peers), len(prefixes), len(tunings)) >= _NONE_U16:
+    lookups over the routes' columns: no Python call per route (issue 15: packing was
+    the other half of signing a 1000-node set)."""
+    return _pack_routes(rs, _RouteColumns(rs.routes))
+
+
+def _pack_routes(rs: RouteSet, c: _RouteColumns) -> PackedRouteSet:
+    peers = list(c.peers)
+    prefixes = list(c.prefixes)
+    uniq = [t for t in c.tunings if t != _NO_TUNING_T]
+    if max(len(peers), len(prefixes), len(uniq)) >= _NONE_U16:
         raise _bad("bad_value", "a route set too large to pack")
+    raws = list(map(_key_bytes.get, peers))  # bytes of the keys seen before, else None
     try:
-        keys = b"".join([_raw_key(k) for k in peers])
+        keys = b"".join(map(_raw_key, peers) if None in raws else raws)  # type: ignore[arg-type]
     except KeyFormatError:
         raise _bad("bad_key", "a route's peer is not a base64 WireGuard key") from None
+    # Every peer is a key now, so None is not one: it stands for "no backup".
+    at = _u16_codes(peers)
+    at[None] = _NONE_LE
+    # A route's tuning is the index of the first route with the same settings.
+    codes = _u16_codes(uniq)
+    t_at = {i: codes.get(t, _NONE_LE) for t, i in c.tunings.items()}
+    table = c.table
+    if table is None:  # tables the check took route by route: 0 fast, 1 any other
+        names = [r.table for r in rs.routes]
+        table = bytes(map(operator.not_, map(operator.eq, names, repeat("fast"))))
     cols: dict[str, Any] = {
         "keys": keys,
         "prefixes": prefixes,
-        "dst": _pack("H", dst),
-        "via": _pack("H", via),
-        "backup": b"" if all(b is None for b in backups) else _pack("H", backup),
-        "table": _pack_int([0 if r.table == "fast" else 1 for r in routes], "B"),
-        "tunings": tunings,
-        "tuning": _pack("H", tuning_idx) if tunings else b"",
+        "dst": b"".join(map(_u16_codes(prefixes).__getitem__, c.dst)),
+        "via": b"".join(map(at.__getitem__, c.via)),
+        "backup": b"".join(map(at.__getitem__, c.backup)) if c.has_backups() else b"",
+        "table": table if b"\x01" in table else b"",
+        "tunings": [Tuning(*t) for t in uniq],
+        "tuning": b"".join(map(t_at.__getitem__, c.tuning)) if uniq else b"",
     }
     return PackedRouteSet(
         mesh=rs.mesh, node=rs.node, version=rs.version, issued_at=rs.issued_at,
@@ -1001,10 +1075,6 @@ def _check_route(r: Route, i: int) -> None:
         raise _bad("bad_value", f"{f}.congctl is not a congestion control name")
 
 
-def _tuning_of(r: Route) -> _Tuning:
-    return (r.mtu, r.advmss, r.initcwnd, r.initrwnd, r.window, r.congctl)
-
-
 def _tunings_ok(routes: Sequence[Route]) -> bool:
     """Every route's TCP settings in range, field by field over the few distinct values
     (each field's range does not depend on the others; the bounds of
@@ -1026,16 +1096,38 @@ def _tunings_ok(routes: Sequence[Route]) -> bool:
     return names <= _valid_congctl
 
 
+def _distinct_tunings_ok(tunings: Iterable[_Tuning]) -> bool:
+    """:func:`_tunings_ok` over the routes' distinct TCP settings (``tunings``): the same
+    values field by field, in the same order."""
+    mtu, advmss, initcwnd, initrwnd, window, congctl = list(zip(*tunings, strict=True)) or [()] * 6
+    for lo, vals in (
+        (68, set(mtu)),
+        (1, set(advmss)),
+        (1, set(initcwnd)),
+        (1, set(initrwnd)),
+    ):
+        vals.discard(None)
+        if not all(lo <= v <= 65535 for v in vals):
+            return False
+    windows = set(window)
+    windows.discard(None)
+    if not all(1 <= v <= _MAX_I63 for v in windows):
+        return False
+    names = set(congctl)
+    names.discard(None)
+    return names <= _valid_congctl
+
+
 def _check_routes(routes: Sequence[Route]) -> None:
     """Every route possible, and at most one per destination and table.
 
     First column by column, against the keys and prefixes already found valid (set
     operations over list comprehensions; a set of a 1000-node mesh repeats the same
     ~1000 of each in its 2000 routes) and over the few distinct TCP settings. Only a
-    set that misses there is checked route by route (:func:`_check_route` raises, or
-    remembers what it found valid), with the same reasons in the same order. Route by
-    route was half of the ~12 ms of CPU the controller spent signing a set at 1000
-    nodes, and agents run this on every set they take (issue 15).
+    set that misses there is checked route by route (:func:`_check_each_route`), with
+    the same reasons in the same order. Route by route was half of the ~12 ms of CPU the
+    controller spent signing a set at 1000 nodes, and agents run this on every set they
+    take (issue 15). :func:`encode` checks the same with :func:`_check_columns`.
     """
     dst = [r.dst for r in routes]
     via = [r.via for r in routes]
@@ -1055,6 +1147,34 @@ def _check_routes(routes: Sequence[Route]) -> None:
         and _tunings_ok(routes)
     ):
         return
+    _check_each_route(routes)
+
+
+def _check_columns(routes: Sequence[Route], c: _RouteColumns) -> None:
+    """:func:`_check_routes` on the columns :func:`encode` packs with (``c``: those of
+    ``routes``): the distinct prefixes, peers and TCP settings are at hand there, and
+    the table bytes say which routes are fast or bulk. The same sets pass; any other
+    goes route by route, as there."""
+    fast: list[str] = []
+    bulk: list[str] = []
+    if c.table is not None:  # every table fast or bulk: then each destination once a table
+        fast = list(compress(c.dst, c.table.translate(_FLIP)))
+        bulk = list(compress(c.dst, c.table))
+    if (
+        c.table is not None
+        and _valid_prefixes.issuperset(c.prefixes)
+        and _valid_keys.issuperset(c.peers)
+        and not any(map(operator.eq, c.backup, c.via))
+        and len(set(fast)) == len(fast)
+        and len(set(bulk)) == len(bulk)
+        and _distinct_tunings_ok(c.tunings)
+    ):
+        return
+    _check_each_route(routes)
+
+
+def _check_each_route(routes: Sequence[Route]) -> None:
+    """Route by route: :func:`_check_route` raises, or remembers what it found valid."""
     seen: set[tuple[str, str]] = set()
     for i, r in enumerate(routes):
         _check_route(r, i)
@@ -1067,6 +1187,12 @@ def _check_routes(routes: Sequence[Route]) -> None:
 
 def validate(msg: Message) -> None:
     """Raise BusMessageError unless every value of ``msg`` is possible."""
+    _validate(msg)
+
+
+def _validate(msg: Message, columns: bool = False) -> _RouteColumns | None:
+    """:func:`validate`; with ``columns``, a RouteSet's routes are checked on their
+    columns, which it returns (:func:`encode` packs with them)."""
     if msg.v != SCHEMA_VERSION:
         raise _bad("bad_version", f"v={msg.v}, this side speaks {SCHEMA_VERSION}")
     if isinstance(msg, Telemetry):
@@ -1106,6 +1232,10 @@ def validate(msg: Message) -> None:
         _int(msg.term, "term", 0, _MAX_I63)
         _num(msg.issued_at, "issued_at")
         _count(msg.routes, "routes", MAX_ROUTES)
+        if columns:
+            c = _RouteColumns(msg.routes)
+            _check_columns(msg.routes, c)
+            return c
         _check_routes(msg.routes)
     elif isinstance(msg, Signed):
         _text(msg.key_id, "key_id", 64)
@@ -1123,6 +1253,7 @@ def validate(msg: Message) -> None:
         _num(msg.since, "since")
     else:  # pragma: no cover - the union above is closed
         raise TypeError(f"not a bus message: {type(msg).__name__}")
+    return None
 
 
 # -- wire format -----------------------------------------------------------------------
@@ -1170,14 +1301,67 @@ def encode(msg: Message) -> bytes:
     envelope stays JSON (text on the bus, for every reader and tool), with the payload
     in base64 as for every kind.
     """
-    validate(msg)
+    cols = _validate(msg, columns=True)
     if isinstance(msg, Telemetry) and msg.table is not None:
         return _mp_encoder.encode(msg)
-    data = _encoder.encode(msg)
-    if isinstance(msg, RouteSet) and _signed_size(len(data)) > MAX_PAYLOAD_BYTES:
-        # Too large as JSON (about 1,400 destinations with bulk routes): packed.
-        return _mp_encoder.encode(pack_routes(msg))
-    return data
+    if cols is not None:
+        assert isinstance(msg, RouteSet)
+        # Too large as JSON (about 1,400 destinations with bulk routes): packed. A set
+        # whose JSON is longer than a bound already too large is too large itself
+        # (_signed_size never falls as the payload grows): packed without making it.
+        if _signed_size(_json_size_at_least(cols)) > MAX_PAYLOAD_BYTES:
+            return _mp_encoder.encode(_pack_routes(msg, cols))
+        data = _encoder.encode(msg)
+        if _signed_size(len(data)) > MAX_PAYLOAD_BYTES:
+            return _mp_encoder.encode(_pack_routes(msg, cols))
+        return data
+    return _encoder.encode(msg)
+
+
+# The fewest bytes of a valid RouteSet's JSON (msgspec writes every RouteSet field;
+# a Route's only when it is not its default): every scalar value taken as 0 bytes.
+_JSON_SET_MIN: Final = len(
+    b'{"v":,"mesh":"","node":"","version":,"issued_at":,"controller":"","term":,"routes":[]}'
+)
+# ... and of each valid route: dst a prefix (at least 4 characters: "::/0"), via a key
+# (44), then a comma between routes; a backup (a key); a table that is not "fast" (so
+# "bulk"); each TCP setting that is not None (a number: a digit at least, two for an
+# mtu of 68 or more; congctl a name of 1-15 characters). A JSON string is at least its
+# characters and 2 quotes (tests/unit/test_route_set_signed_bytes.py: never above the
+# JSON, and exact for the shortest valid routes).
+_JSON_ROUTE_MIN: Final = len(b'{"dst":"::/0","via":""},') + 44
+_JSON_BACKUP_MIN: Final = len(b',"backup":""') + 44
+_JSON_BULK_MIN: Final = len(b',"table":"bulk"')
+_JSON_TUNING_MIN: Final = (
+    len(b',"mtu":68'),
+    len(b',"advmss":0'),
+    len(b',"initcwnd":0'),
+    len(b',"initrwnd":0'),
+    len(b',"window":0'),
+    len(b',"congctl":"x"'),
+)
+
+
+def _json_size_at_least(c: _RouteColumns) -> int:
+    """A lower bound of the JSON length of a valid RouteSet whose routes' columns are
+    ``c``, from counts only; the TCP settings are counted (a pass per distinct one) only
+    when the rest does not already put it over the limit."""
+    n = len(c.dst)
+    bulk = 0 if c.table is None else c.table.count(1)  # None: tables taken as all fast
+    size = (
+        _JSON_SET_MIN
+        + n * _JSON_ROUTE_MIN
+        - (1 if n else 0)  # no comma after the last route
+        + (n - c.backup.count(None)) * _JSON_BACKUP_MIN
+        + bulk * _JSON_BULK_MIN
+    )
+    for t, first in c.tunings.items():
+        if _signed_size(size) > MAX_PAYLOAD_BYTES:
+            break
+        weight = sum(w for w, v in zip(_JSON_TUNING_MIN, t, strict=True) if v is not None)
+        if weight:
+            size += weight * c.tuning.count(first)
+    return size
 
 
 def _signed_size(payload: int) -> int:
