@@ -1045,6 +1045,10 @@ class ControllerCore:
             return
         if ok:
             self.published[action.node] = list(action.routes)
+            # Retained now: what the broker's echo told, where no echo comes (No Local).
+            own = self._own_echo(action.topic, action.payload)
+            if isinstance(own, RouteSet):
+                self._take_own(action.node, own)
         else:
             if self.intended.get(action.node) == list(action.routes):
                 self.intended.pop(action.node, None)

@@ -105,6 +105,9 @@ class Controller:
                 topics.lease(),
                 topics.all_controller_status(),
             ],
+            # Our own route sets need not come back (see BusClient): what the broker
+            # retained of ours is known from its acknowledgement (published_ok).
+            no_local=[topics.all_routes()],
         )
         self.bus.on_connect = self._on_connect
         self._told_ready = False

@@ -243,6 +243,37 @@ def test_tcp_and_unix_clients_share_the_broker(broker: Broker) -> None:
     run(main())
 
 
+def test_no_local_subscriptions_do_not_bring_our_own_publishes_back(broker: Broker) -> None:
+    """A controller's own route sets are not sent back to it (MQTT 5 No Local); other
+    clients' publishes on those topics are, and so are its own on other topics."""
+
+    async def main() -> None:
+        inbox = Inbox()
+        ctl = BusClient(
+            broker.tcp_url,
+            client_id="ctl",
+            subscriptions=[TOPICS.all_routes(), TOPICS.all_status()],
+            no_local=[TOPICS.all_routes()],
+        )
+        other = BusClient(broker.unix_url, client_id="other")
+        async with running(ctl, inbox), running(other):
+            assert await ctl.wait_connected(10) and await other.wait_connected(10)
+            assert await ctl.publish(TOPICS.routes("a"), b"mine", qos=1)
+            assert await ctl.publish(TOPICS.status("a"), b"my status", qos=1)
+            assert await other.publish(TOPICS.routes("b"), b"theirs", qos=1)
+            got = [await inbox.get(), await inbox.get()]
+            assert sorted(p for _, p, _ in got) == [b"my status", b"theirs"]
+            with pytest.raises(TimeoutError):
+                await inbox.get(0.5)
+
+    run(main())
+
+
+def test_no_local_must_name_a_subscription() -> None:
+    with pytest.raises(InputError):
+        BusClient("mqtt://127.0.0.1:1", client_id="x", no_local=[TOPICS.all_routes()])
+
+
 def test_retained_message_seen_by_late_subscriber(broker: Broker) -> None:
     async def main() -> None:
         pub = BusClient(broker.tcp_url, client_id="pub")

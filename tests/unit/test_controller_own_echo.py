@@ -52,3 +52,25 @@ def test_echoes_of_our_recent_sets_are_taken_unverified_and_in_order(
     before = sum(core.dropped().values())
     core.on_message(a.topic, bytes(tampered), True, time.monotonic(), time.time())
     assert sum(core.dropped().values()) == before + 1  # not ours: verified, and refused
+
+
+def test_a_set_the_broker_took_is_retained_without_its_echo() -> None:
+    """With No Local the broker sends none of our sets back: its acknowledgement tells
+    what it retained (what agents get, what a take-over adopts)."""
+    mesh = SyntheticMesh(6, 2)
+    core, topics = _controller(mesh)
+    rng = random.Random(2)
+    for x in mesh.nodes:
+        ag = AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time())
+        peers = mesh.reports(x.index, rng, profile="agent", sent=RUNNING_SENT)
+        msg = signed_telemetry(ag, time.time(), public_keys=[x.wg_key], addresses=[x.address],
+                               plan=Plan(True, peers, 10.0), counters={})  # fmt: skip
+        core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+    a = core.plan(time.monotonic(), time.time())[0]
+    assert a.node is not None
+    signed = core.sign_routes(a, time.time())
+    assert signed is not None and a.node not in core.retained_sets
+    core.published_ok(signed, False, time.monotonic())
+    assert a.node not in core.retained_sets  # not taken: nothing retained
+    core.published_ok(signed, True, time.monotonic())
+    assert core.retained_sets[a.node].routes == list(a.routes)
