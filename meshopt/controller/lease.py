@@ -80,6 +80,12 @@ class LeaseKeeper:
         self.holder_gone = False
         if self.role == "active" and lease.controller != self.me and lease.term >= self.term:
             self.role = "standby"  # someone else holds a newer (or equal) term
+        elif self.role in ("active", "claiming") and lease.controller == self.me:
+            # A newer claim of our own, echoed after an older one made us active (echoes
+            # slower than settle_s: claims go out every settle_s until one comes back).
+            # Without this the newer term stood as current, every renewal in the older
+            # term was a replay, and the controller stayed active publishing nothing.
+            self.term = max(self.term, lease.term)
 
     def own_published(self, lease: Lease) -> None:
         """Our renewal, which the broker took (PUBACK): held from now on, as its echo

@@ -307,3 +307,28 @@ def test_terms_grow_with_the_clock_so_a_lost_lease_never_restarts_them() -> None
     assert keeper.tick(now) is None  # waits settle_s for a retained lease
     claim = keeper.tick(now + 0.6)
     assert claim is not None and claim.term >= int(now)
+
+
+def test_echoes_slower_than_the_settle_time_leave_the_controller_publishing() -> None:
+    """Claims go out every settle_s until one comes back. With a broker answering in 0.6 s
+    and settle_s 0.2 s, an older claim's echo made the keeper active in that term and a
+    newer claim's echo then stood as current: every renewal was a replay and the
+    controller stayed active publishing nothing (found with a slow broker, issue 15)."""
+    k = LeaseKeeper("lab", "ctl1", lease_s=3.0, settle_s=0.2)
+    t = 1_795_826_498.55
+    assert k.tick(t) is None
+    a = k.tick(t + 0.2)  # first claim
+    assert a is not None and k.role == "claiming"
+    assert k.tick(t + 0.4) is None and k.role == "standby"  # no echo within settle_s
+    b = k.tick(t + 0.45)  # claims again, in the next second's term
+    assert b is not None and b.term >= a.term
+    k.on_lease(a)  # the first claim's echo, 0.6 s late
+    assert k.tick(t + 0.65) is None and k.role == "standby"  # a is not the claim in hand
+    renewal = k.tick(t + 0.7)  # our own unexpired lease: taken back, in a's term
+    assert renewal is not None and k.role == "active"
+    k.on_lease(b)  # the newer claim's echo
+    assert k.term == b.term
+    nxt = k.tick(t + 0.7 + 1.0)  # the next renewal is in the newest term
+    assert nxt is not None and nxt.term == b.term
+    k.on_lease(nxt)
+    assert k.may_publish(t + 1.8)
