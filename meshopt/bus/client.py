@@ -379,6 +379,7 @@ class BusClient:
         will: WillSpec | Callable[[], WillSpec] | None = None,
         subscriptions: Sequence[str] = (),
         no_local: Sequence[str] = (),
+        in_flight: int = 10,
         on_connect: Hook | None = None,
         backoff_min_s: float = 0.5,
         backoff_max_s: float = 10.0,
@@ -396,7 +397,8 @@ class BusClient:
         send this client's own publishes back (MQTT 5's No Local; the session speaks
         MQTT 5 then, 3.1.1 otherwise). A controller publishing a thousand route sets of
         60 kB read each back, 37 MB per burst, and the acknowledgements and the news
-        (a node's death) queued behind them (issue 15).
+        (a node's death) queued behind them (issue 15). ``in_flight``: QoS 1 publishes
+        this client awaits at once without a warning (aiomqtt warns above 10).
         """
         if isinstance(broker, BrokerSettings):
             check_broker_settings(broker)
@@ -414,6 +416,7 @@ class BusClient:
         self.will = will
         self.subscriptions = tuple(subscriptions)
         self.no_local = frozenset(no_local)
+        self.in_flight = in_flight
         if not self.no_local <= set(self.subscriptions):
             raise InputError("no_local names topics that are not subscribed")
         self.on_connect = on_connect
@@ -465,7 +468,7 @@ class BusClient:
         if spec is not None:
             topic, payload, retain = spec
             will = aiomqtt.Will(topic, payload, qos=1, retain=retain)
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             **client_kwargs(self._source),
             identifier=self.client_id,
             will=will,
@@ -473,7 +476,10 @@ class BusClient:
             timeout=self.timeout_s,
             max_queued_incoming_messages=self.max_queued_incoming,
             protocol=aiomqtt.ProtocolVersion.V5 if self.no_local else aiomqtt.ProtocolVersion.V311,
+            max_inflight_messages=max(20, self.in_flight + 4),  # paho's default is 20
         )
+        client.pending_calls_threshold = max(10, self.in_flight)
+        return client
 
     async def run(self, handler: Handler) -> None:
         """Connect, subscribe and deliver messages to ``handler``, forever (until cancelled)."""
