@@ -5,30 +5,19 @@ such echo cost ~5 ms of the loop in a full verification)."""
 from __future__ import annotations
 
 import dataclasses
-import random
 import time
 
 import pytest
 
 import meshopt.controller.core as core_mod
-from meshopt.agent.core import AgentCore, RouteState
-from meshopt.agent.telemetry import Plan, signed_telemetry
-from meshopt.bench.synthetic import MESH, RUNNING_SENT, SyntheticMesh
-from tests.unit.test_engine_route_sharing import _controller
+from meshopt.bench.synthetic import SyntheticMesh
+from tests.unit.test_engine_route_sharing import _fed
 
 
 def test_echoes_of_our_recent_sets_are_taken_unverified_and_in_order(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    mesh = SyntheticMesh(8, 1)
-    core, topics = _controller(mesh)
-    rng = random.Random(1)
-    for x in mesh.nodes:
-        ag = AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time())
-        peers = mesh.reports(x.index, rng, profile="agent", sent=RUNNING_SENT)
-        msg = signed_telemetry(ag, time.time(), public_keys=[x.wg_key], addresses=[x.address],
-                               plan=Plan(True, peers, 10.0), counters={})  # fmt: skip
-        core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+    core, _ = _fed(SyntheticMesh(8, 1), 1)
     planned = core.plan(time.monotonic(), time.time())
     a = planned[0]
     assert a.node is not None
@@ -57,15 +46,7 @@ def test_echoes_of_our_recent_sets_are_taken_unverified_and_in_order(
 def test_a_set_the_broker_took_is_retained_without_its_echo() -> None:
     """With No Local the broker sends none of our sets back: its acknowledgement tells
     what it retained (what agents get, what a take-over adopts)."""
-    mesh = SyntheticMesh(6, 2)
-    core, topics = _controller(mesh)
-    rng = random.Random(2)
-    for x in mesh.nodes:
-        ag = AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time())
-        peers = mesh.reports(x.index, rng, profile="agent", sent=RUNNING_SENT)
-        msg = signed_telemetry(ag, time.time(), public_keys=[x.wg_key], addresses=[x.address],
-                               plan=Plan(True, peers, 10.0), counters={})  # fmt: skip
-        core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+    core, _ = _fed(SyntheticMesh(6, 2), 2)
     a = core.plan(time.monotonic(), time.time())[0]
     assert a.node is not None
     signed = core.sign_routes(a, time.time())

@@ -30,6 +30,19 @@ def _controller(mesh: SyntheticMesh) -> tuple[ControllerCore, Topics]:
     return ControllerCore(cfg, generate_signing_key()[0]), Topics(MESH)
 
 
+def _fed(mesh: SyntheticMesh, seed: int) -> tuple[ControllerCore, Topics]:
+    """A controller core (see ``_controller``) that took one full snapshot from every node."""
+    core, topics = _controller(mesh)
+    rng = random.Random(seed)
+    for x in mesh.nodes:
+        ag = AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time())
+        peers = mesh.reports(x.index, rng, profile="agent", sent=RUNNING_SENT)
+        msg = signed_telemetry(ag, time.time(), public_keys=[x.wg_key], addresses=[x.address],
+                               plan=Plan(True, peers, 10.0), counters={})  # fmt: skip
+        core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+    return core, topics
+
+
 def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> None:
     n = 40
     mesh = SyntheticMesh(n, 3)
@@ -77,16 +90,7 @@ def test_routes_rebuilt_equal_are_the_old_objects_and_changed_ones_are_new() -> 
 
 
 def test_a_row_rebuilt_to_the_same_routes_keeps_its_list_and_objects() -> None:
-    n = 30
-    mesh = SyntheticMesh(n, 4)
-    core, topics = _controller(mesh)
-    rng = random.Random(2)
-    for x in mesh.nodes:
-        ag = AgentCore(MESH, x.name, x.identity, [], RouteState(), time.time())
-        peers = mesh.reports(x.index, rng, profile="agent", sent=RUNNING_SENT)
-        msg = signed_telemetry(ag, time.time(), public_keys=[x.wg_key], addresses=[x.address],
-                               plan=Plan(True, peers, 10.0), counters={})  # fmt: skip
-        core.on_message(topics.telemetry(x.name), msg, False, time.monotonic(), time.time())
+    core, _ = _fed(SyntheticMesh(30, 4), 2)
     core.plan(time.monotonic(), time.time())
     c, eng = core.last, core.engine
     assert c is not None
