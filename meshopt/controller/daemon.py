@@ -133,7 +133,8 @@ class Controller:
             max_workers=1, thread_name_prefix="recompute"
         )
         self.gate = PassGate()
-        self._urgent_log: tuple[float, float, float, int] | None = None  # began, took, sets
+        # began, took, signing CPU so far, sets
+        self._urgent_log: tuple[float, float, float, int] | None = None
         self.sign_cpu_s = 0.0  # CPU the loop spent signing route sets, in all
         self.core.engine.checkpoint = self.gate.checkpoint
 
