@@ -24,7 +24,7 @@ ONE_WAY_MS = 4.0  # the pair's delay while measuring: above any allowance, and u
 # of RTT, where ping prints hundredths (from 10 ms on, tenths)
 COUNT = 30  # pings a round
 INTERVAL_S = 0.005
-ROUNDS = 3  # at most; a round whose median is within SETTLED_MS of the truth ends it
+ROUNDS = 6  # at most; a round whose median is within SETTLED_MS of the truth ends it
 SETTLED_MS = 0.05
 # More than this a hop means something else is wrong (a machine that cannot keep time):
 # the allowance stops here and the lab says so.
@@ -51,6 +51,38 @@ def next_latency_us(residual_ms: float, current_us: float) -> float:
     return min(max(current_us + residual_ms * 1000.0 / 2.0, 0.0), MAX_LATENCY_US)
 
 
+@dataclass(frozen=True)
+class Fit:
+    latency_us: float  # the allowance left in force
+    residual_ms: float  # what the last round read off with the allowance it ran under
+    rounds: int
+
+
+def fit(measure: Callable[[float], float | None], start_us: float) -> Fit | None:
+    """Find the allowance under which a round reads true; ``measure(us)`` puts ``us`` in
+    force and returns a round's median residual (ms), or None when pings were lost.
+
+    Each round estimates the allowance (what would have made it read true). The next
+    allowance is the median of every estimate so far, not the last one alone: a round
+    hit by a stall (30 pings span 150 ms; one wireguard-go hiccup there moved the last
+    round's median by 0.75 ms in CI) would otherwise set an allowance that no round ever
+    checked, and the lab would read that far off until calibrated again. The fit ends
+    when the allowance in force reads true, or after ROUNDS on the median estimate.
+    """
+    latency, estimates = start_us, []
+    residual = 0.0
+    for rounds in range(1, ROUNDS + 1):
+        got = measure(latency)
+        if got is None:
+            return None
+        residual = got
+        if abs(residual) <= SETTLED_MS:
+            return Fit(latency, residual, rounds)
+        estimates.append(next_latency_us(residual, latency))
+        latency = statistics.median(estimates)
+    return Fit(latency, residual, ROUNDS)
+
+
 def calibrate(
     emu: EmulatorClient,
     pair: tuple[int, int],
@@ -67,23 +99,25 @@ def calibrate(
     try:
         if not ping(3, 0.05):  # the WireGuard handshake, off the clock
             return None
-        residual, rounds = 0.0, 0
-        while rounds < ROUNDS:
+
+        def measure(latency_us: float) -> float | None:
+            emu.tunnel_latency(latency_us)
             rtts = ping(COUNT, INTERVAL_S)
             if len(rtts) < COUNT // 2:
                 return None
-            rounds += 1
-            residual = statistics.median(rtts) - 2.0 * ONE_WAY_MS
-            latency = next_latency_us(residual, latency)
+            return statistics.median(rtts) - 2.0 * ONE_WAY_MS
+
+        got = fit(measure, latency)
+        if got is None:
             emu.tunnel_latency(latency)
-            if abs(residual) <= SETTLED_MS:
-                break
+            return None
+        emu.tunnel_latency(got.latency_us)
         return Calibration(
             (names[i], names[j]),
-            round(latency, 1),
-            round(residual, 3),
-            rounds,
-            latency >= MAX_LATENCY_US,
+            round(got.latency_us, 1),
+            round(got.residual_ms, 3),
+            got.rounds,
+            got.latency_us >= MAX_LATENCY_US,
         )
     finally:
         for a, b in both:
