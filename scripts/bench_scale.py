@@ -342,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         "a share of the agents (0: all in this process; use 4 at N = 1000)",
     )
     ap.add_argument(
+        "--generator-nice",
+        type=int,
+        default=10,
+        help="niceness of the worker processes (they stand for the agents' own machines, "
+        "so their CPU must not be taken from the controller and the broker; 0: none)",
+    )
+    ap.add_argument(
         "--startup-changes",
         action="store_true",
         help="also degrade a link and kill a node right after the first routes (inside "
@@ -362,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("need --runs >= 1, sizes 2..5000 and --steady > 0")
     if not 0 <= args.generator_procs <= 64:
         ap.error("--generator-procs: want 0..64")
+    if not 0 <= args.generator_nice <= 19:
+        ap.error("--generator-nice: want 0..19")
     if not 1.0 <= args.full_interval <= 300.0:
         ap.error("--full-interval: want 1..300 s")
     old = None
@@ -382,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "full_interval_s": args.full_interval,
             "steady_s": args.steady,
             "generator_procs": args.generator_procs,
+            "generator_nice": args.generator_nice,
             "startup_changes": args.startup_changes,
             "runs": args.runs,
             "loadavg": {"start": list(os.getloadavg())},
@@ -415,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                     routes_timeout_s=args.routes_timeout or (60.0 if n <= 250 else 180.0),
                     change_window_s=args.change_window or (20.0 if n <= 250 else 60.0),
                     generator_procs=args.generator_procs,
+                    generator_nice=args.generator_nice,
                     startup_changes=args.startup_changes,
                 )
                 load0 = list(os.getloadavg())

@@ -430,6 +430,7 @@ class WorkerSpec:
     controller_key: str
     profile: Profile
     full_interval_s: float
+    nice: int = 0
 
 
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
@@ -438,6 +439,8 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     from meshopt.bench.synthetic import raise_nofile
 
     raise_nofile()
+    if spec.nice:
+        os.nice(spec.nice)
     asyncio.run(_serve(conn, spec))
 
 
@@ -505,6 +508,7 @@ class ProcPool:
         *,
         profile: Profile = "agent",
         full_interval_s: float = 5.0,
+        nice: int = 0,
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.k = max(1, min(k, mesh.n))
@@ -521,6 +525,7 @@ class ProcPool:
                 controller_key=controller_key,
                 profile=profile,
                 full_interval_s=full_interval_s,
+                nice=nice,
             )
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
