@@ -658,7 +658,7 @@ class ControllerCore:
             bad = np.zeros(base.next_hop.shape, dtype=bool)
             for e in self._events.values():
                 self._apply_event(base, e, bad)
-            fix = self._fix(base, bad)
+            fix = self._fix(base, bad, self.engine.deaths.collapsing(base.names, now))
             if fix is not None:
                 moved = self._apply_fix(base, fix, now, c.routes, engine=True)
                 log.info(
@@ -812,11 +812,14 @@ class ControllerCore:
             return []
         try:
             bad = np.zeros(base.next_hop.shape, dtype=bool)
+            deaths = self.engine.deaths
             for key in hot:
                 e = self._events.get(key)
                 if e is not None:
                     self._apply_event(base, e, bad)
-            fix = self._fix(base, bad)
+                    if e.link is not None and math.isinf(e.cost):
+                        deaths.note(e.node, e.link, now)
+            fix = self._fix(base, bad, deaths.collapsing(base.names, now))
             if fix is None:
                 return []
             routes = {n: self.intended[n] for n in (base.names[s] for s in fix.rows)
@@ -904,7 +907,7 @@ class ControllerCore:
         base.noise[a, b] = e.noise
         bad[a, b] = True
 
-    def _fix(self, base: _Base, bad: np.ndarray) -> UrgentFix | None:
+    def _fix(self, base: _Base, bad: np.ndarray, held: np.ndarray) -> UrgentFix | None:
         if not bad.any():
             return None
         fix = urgent_fix(
@@ -919,6 +922,7 @@ class ControllerCore:
             bulk=base.bulk,
             best=base.best,
             dist=base.dist,
+            held=held if held.any() else None,
         )
         if fix.best_s.size and base.best is not None and base.dist is not None:
             if not base._own_best:

@@ -46,6 +46,7 @@ import numpy.typing as npt
 
 from meshopt.bus.messages import MAX_ROUTES, Counters, Route, RouteSet
 from meshopt.controller.bulk_memory import BulkMemory, Tuned
+from meshopt.controller.deaths import DeathWatch
 from meshopt.controller.view import Matrices, MeshView
 from meshopt.errors import MeshoptError
 from meshopt.install.tuning import MIN_MTU, TcpTuning, tcp_tuning
@@ -175,6 +176,9 @@ class RouteEngine:
         # Cumulative over all computes: "route_set_error" (a node left out, once per
         # compute) and Computed.dropped's reasons; the first of each reason is logged.
         self.counters = Counters("controller left routes out", log)
+        # Links seen dying, for the nodes that collapse (meshopt.controller.deaths); the
+        # urgent path notes the deaths it hears of too.
+        self.deaths = DeathWatch()
 
     def _routes(self, names: list[str], cost: FloatArray, backups: bool = True) -> RouteTables:
         weights = _symmetrize(cost) if self.symmetric else cost
@@ -297,13 +301,21 @@ class RouteEngine:
         self.checkpoint()
         before = self.installed
         released = degraded(before, best, m.cost, self.relay_hop_ms, self.symmetric)
+        self.deaths.observe(names, m.cost, now)
+        chosen = best
+        held = self.deaths.collapsing(names, now)
+        if held.any():
+            tunnel = np.isfinite(m.cost) | self.deaths.noted(names)
+            chosen = towards_collapsing(
+                best, before.next_hop, held, m.cost, tunnel, self.relay_hop_ms, self.symmetric
+            )
         dec = decide(
             Installed(
                 next_hop=before.next_hop,
                 since=np.where(released, -np.inf, before.since),
                 better_since=before.better_since,
             ),
-            best,
+            chosen,
             m.cost,
             m.noise,
             now,
@@ -358,6 +370,39 @@ class RouteEngine:
         for reason, n in out.dropped.items():
             self.counters.count(reason, n=n)
         return out
+
+
+def towards_collapsing(
+    best: RouteTables,
+    installed: IntArray,
+    held: BoolArray,
+    cost: FloatArray,
+    tunnel: BoolArray,
+    relay_hop_ms: float,
+    symmetric: bool = False,
+) -> RouteTables:
+    """``best`` with the entries towards collapsing nodes (``held``) replaced: an
+    installed path that still works stays, a broken one falls back to the plain tunnel
+    where there is one (``tunnel``: alive, or noted dead), as the agent's fail-over does;
+    without a tunnel it takes ``best`` (see :mod:`meshopt.controller.deaths`). In
+    symmetric mode a pair is decided as one, so both directions of every pair with a
+    collapsing end are treated alike and the table stays symmetric. A copy: ``best`` is
+    the engine's own."""
+    n = installed.shape[0]
+    if symmetric:
+        cost = _symmetrize(cost)
+    with np.errstate(invalid="ignore"):
+        works = np.isfinite(path_cost(installed, cost, relay_hop_ms))
+    pairs = np.broadcast_to(held[None, :], (n, n))
+    if symmetric:
+        pairs = pairs | pairs.T
+        works = works & works.T
+        tunnel = tunnel | tunnel.T
+    direct = np.broadcast_to(np.arange(n)[None, :], (n, n))
+    fallback = np.where(tunnel, direct, best.next_hop)
+    hop = np.where(pairs, np.where(works, installed, fallback), best.next_hop)
+    np.fill_diagonal(hop, np.arange(n))
+    return dataclasses.replace(best, next_hop=hop.astype(best.next_hop.dtype, copy=False))
 
 
 def _no_pause() -> None:

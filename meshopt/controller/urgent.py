@@ -177,6 +177,7 @@ def urgent_fix(
     bulk: IntArray | None = None,
     best: IntArray | None = None,
     dist: FloatArray | None = None,
+    held: BoolArray | None = None,
 ) -> UrgentFix:
     """The entries of ``next_hop`` (installed, n x n) to move now; see the module.
 
@@ -187,7 +188,8 @@ def urgent_fix(
     ``best``/``dist``: the engine's best table before the failure and its (perturbed)
     distances: given, a moved entry takes the best table's next hop after the failure
     (repaired the same way), as the full pass's policy moves a failed entry; without,
-    the installed table stands in for it."""
+    the installed table stands in for it. ``held``: collapsing nodes
+    (:mod:`meshopt.controller.deaths`), no entry towards them is moved."""
     n = next_hop.shape[0]
     if n == 0 or not bad.any():
         return _empty()
@@ -207,6 +209,8 @@ def urgent_fix(
         hot |= bad_hops(bulk)[alive].any(axis=0)
     if best is not None:
         hot |= bad_hops(best)[alive].any(axis=0)
+    if held is not None:
+        hot &= ~np.asarray(held, dtype=bool)
     cols = np.flatnonzero(hot & alive)
     if cols.size == 0:
         return _empty()
