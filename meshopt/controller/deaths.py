@@ -74,9 +74,13 @@ class DeathWatch:
                 was[sub] = old_dead[np.ix_(ix[known], ix[known])]
             for i, j in zip(*np.nonzero(dead & ~was), strict=True):
                 self._dead.setdefault(self._pair(names[i], names[j]), now)
-            for i, j in zip(*np.nonzero(~dead & ~dead.T), strict=True):
-                if i < j:
-                    self._dead.pop(self._pair(names[i], names[j]), None)
+            # Alive again both ways, or an end gone from the picture: forgotten. (Only
+            # the few noted pairs are looked at: 500,000 live ones at 1000 nodes.)
+            index = {n: i for i, n in enumerate(names)}
+            for pair in list(self._dead):
+                i, j = index.get(pair[0]), index.get(pair[1])
+                if i is None or j is None or not (dead[i, j] or dead[j, i]):
+                    del self._dead[pair]
 
     def collapsing(self, names: Sequence[str], now: float) -> npt.NDArray[np.bool_]:
         """Per node of ``names``: True while it collapses (see the module)."""
