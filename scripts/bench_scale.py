@@ -349,6 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         "so their CPU must not be taken from the controller and the broker; 0: none)",
     )
     ap.add_argument(
+        "--controller-nice",
+        type=int,
+        default=None,
+        help="the controller's niceness (default: the Nice= of "
+        "packaging/systemd/meshopt-controller.service, as deployed)",
+    )
+    ap.add_argument(
         "--startup-changes",
         action="store_true",
         help="also degrade a link and kill a node right after the first routes (inside "
@@ -371,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--generator-procs: want 0..64")
     if not 0 <= args.generator_nice <= 19:
         ap.error("--generator-nice: want 0..19")
+    if args.controller_nice is not None and not -20 <= args.controller_nice <= 19:
+        ap.error("--controller-nice: want -20..19")
     if not 1.0 <= args.full_interval <= 300.0:
         ap.error("--full-interval: want 1..300 s")
     old = None
@@ -392,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             "steady_s": args.steady,
             "generator_procs": args.generator_procs,
             "generator_nice": args.generator_nice,
+            "controller_nice": args.controller_nice,
             "startup_changes": args.startup_changes,
             "runs": args.runs,
             "loadavg": {"start": list(os.getloadavg())},
@@ -426,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                     change_window_s=args.change_window or (20.0 if n <= 250 else 60.0),
                     generator_procs=args.generator_procs,
                     generator_nice=args.generator_nice,
+                    controller_nice=args.controller_nice,
                     startup_changes=args.startup_changes,
                 )
                 load0 = list(os.getloadavg())

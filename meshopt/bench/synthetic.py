@@ -278,16 +278,41 @@ def close_all() -> None:
 atexit.register(close_all)
 
 
+UNIT = Path(__file__).resolve().parents[2] / "packaging/systemd/meshopt-controller.service"
+
+
+def unit_nice(unit: Path = UNIT) -> int:
+    """The ``Nice=`` the shipped controller unit runs it at (0 if none, or no unit: an
+    installed package has no packaging directory), so the benchmark's controller gets
+    the share of a busy machine a deployed one gets."""
+    try:
+        text = unit.read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        key, _, value = line.strip().partition("=")
+        if key == "Nice":
+            return int(value)
+    return 0
+
+
 class Stack:
     """A secured mosquitto and the real controller, in a temporary directory; both are
     stopped by their PIDs and the directory removed on :meth:`close` (also on error)."""
 
     def __init__(
-        self, mesh: SyntheticMesh, *, python: str = sys.executable, extra: str = ""
+        self,
+        mesh: SyntheticMesh,
+        *,
+        python: str = sys.executable,
+        extra: str = "",
+        controller_nice: int = 0,
     ) -> None:
-        """``extra``: more ``[controller]`` lines (e.g. ``lease_s = 30.0``)."""
+        """``extra``: more ``[controller]`` lines (e.g. ``lease_s = 30.0``);
+        ``controller_nice``: the controller's niceness (:func:`unit_nice`)."""
         self.mesh = mesh
         self.extra = extra
+        self.controller_nice = controller_nice
         self.python = python
         self.dir = Path(tempfile.mkdtemp(prefix="meshopt-scale-"))
         self.port = free_port()
@@ -360,6 +385,8 @@ class Stack:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         clog.close()
+        if self.controller_nice:
+            os.setpriority(os.PRIO_PROCESS, self.controller.pid, self.controller_nice)
 
     def _wait_broker(self, timeout_s: float) -> None:
         assert self.broker is not None
@@ -666,6 +693,8 @@ class RunSettings:
     # and on the benchmark's two cores their route-set checks (3.8 ms a 1000-node set)
     # took a core from the controller while it signed the sets after a dead relay.
     generator_nice: int = 10
+    # The controller's niceness; None: what the shipped systemd unit gives it.
+    controller_nice: int | None = None
     # Also degrade a link and kill a node right after the first routes, inside the
     # controller's start-up minute (``startup_degrade``/``startup_death``), before the
     # steady window; the changes after it are timed as always.
@@ -803,7 +832,8 @@ async def run_once(s: RunSettings) -> dict[str, Any]:
     extra = f"lease_s = {s.lease_s}\n" if s.lease_s is not None else ""
     if s.full_interval_s != FULL_INTERVAL_S:
         extra += f"stale_after_s = {3 * s.full_interval_s}\n"
-    with Stack(mesh, extra=extra) as stack:
+    cnice = unit_nice() if s.controller_nice is None else s.controller_nice
+    with Stack(mesh, extra=extra, controller_nice=cnice) as stack:
         stack.start()
         pool: Pool
         if s.generator_procs > 0:
@@ -867,6 +897,7 @@ async def _run(
         "full_interval_s": s.full_interval_s,
         "generator_procs": s.generator_procs,
         "generator_nice": s.generator_nice if s.generator_procs else None,
+        "controller_nice": stack.controller_nice,
         "setup_s": round(setup_s, 2),
         "rlimit_nofile": nofile,
         "pids": {

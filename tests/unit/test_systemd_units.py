@@ -175,3 +175,14 @@ def test_memory_deny_write_execute_leaves_python_and_its_libraries_working(
     )
     check = under_mdwe("controller", "--config", str(config), "--check")
     assert check.returncode == 0, check.stderr
+
+
+def test_controller_runs_ahead_of_ordinary_work_and_the_benchmark_runs_it_so() -> None:
+    from meshopt.bench.synthetic import unit_nice
+
+    s = settings("meshopt-controller.service")
+    assert s["Nice"] == ["-5"]
+    assert "Nice" not in settings("meshopt-agent.service")
+    assert unit_nice(UNITS / "meshopt-controller.service") == -5
+    assert unit_nice(UNITS / "meshopt-agent.service") == 0
+    assert unit_nice(UNITS / "no-such.service") == 0
