@@ -157,3 +157,33 @@ def test_once_settled_a_node_still_alive_is_reached_over_relays_again(settle: fl
     _report(mesh, STAR, dead, 1.0 + settle)
     c = engine.compute(mesh.view, 1.0 + settle)
     assert mesh.hop(c, "b", "a") in {"d", "e"}, "a lives on over d and e"
+
+
+def test_the_urgent_path_moves_no_entry_towards_a_collapsing_node() -> None:
+    from meshopt.controller.urgent import urgent_fix
+    from meshopt.routing.allpairs import compute_routes
+    from meshopt.topology.generators import generate
+
+    n = 40
+    cost = np.array(generate(f"gen:geo:n={n},seed=3").rtt_ms(), dtype=float)
+    np.fill_diagonal(cost, 0.0)
+    nh = compute_routes(cost, relay_hop_ms=2.0).next_hop
+    x = 0
+    # Two of x's links die (its agent still up): the entries over them are broken.
+    direct = [s for s in range(1, n) if nh[s, x] == x][:2]
+    after = cost.copy()
+    bad = np.zeros((n, n), dtype=bool)
+    for s in direct:
+        after[s, x] = after[x, s] = np.inf
+        bad[s, x] = bad[x, s] = True
+    alive = np.zeros(n, dtype=bool)
+    plain = urgent_fix(nh, after, np.zeros((n, n)), bad, alive, PolicyConfig())
+    assert {(s, x) for s in direct} <= set(zip(plain.s.tolist(), plain.d.tolist(), strict=True))
+    held = np.arange(n) == x
+    fix = urgent_fix(nh, after, np.zeros((n, n)), bad, alive, PolicyConfig(), held=held)
+    assert fix.s.size and not (fix.d == x).any(), "nothing towards x moves"
+    # Routes through x over the dead links still move, as without the rule.
+    others = plain.d != x
+    assert set(zip(plain.s[others].tolist(), plain.d[others].tolist(), strict=True)) == set(
+        zip(fix.s.tolist(), fix.d.tolist(), strict=True)
+    )
