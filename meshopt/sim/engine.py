@@ -20,7 +20,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    peers whose report moved by the agent's own rule
    (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
    snapshot every :func:`~meshopt.agent.telemetry.full_interval`; a step its estimator
-   confirms goes out at once (at most every ``TELL_GAP_S``), as the agent tells it;
+   confirms, and a peer found dead, go out at once (at most every ``TELL_GAP_S``), as
+   the agent tells them;
 4. the controller recomputes after its debounce once input arrived and its warm-up rule
    passes (:func:`meshopt.controller.view.warmed_up`): the agents' last telemetry priced
    by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
@@ -687,6 +688,10 @@ def simulate(
                 dead = dead.copy()
                 dead.ravel()[waiting[due]] = True
                 flips.append(waiting[due])
+                # A peer found dead is told at once, as the agent tells it.
+                rows = np.unique(waiting[due] // n)
+                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
+                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
                 waiting, dead_at = waiting[~due], dead_at[~due]
 
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).

@@ -470,3 +470,17 @@ def test_a_thousand_node_mesh_runs() -> None:
     assert r.failovers > 0
     assert ev.outage_s is not None  # ... and they are all restored ...
     assert ev.outage_s <= FAILOVER_S[1]  # ... by the agents, before the next recompute
+
+
+@pytest.mark.parametrize("at", [20.0, 20.2, 20.4, 20.6, 20.8])
+def test_a_dead_relay_is_told_at_once_and_routed_around_without_waiting_for_a_check(
+    at: float,
+) -> None:
+    """Without backups the agents fall back to the 100 ms direct tunnel when c dies;
+    the controller's move to d follows the death's report, which goes out when the
+    peer is found dead (as the agent tells it), not at the agent's next 1 s check."""
+    topo = mesh("abcd", FAILOVER, default_ms=15.0)
+    ev = only_event(run(topo, f"at={at}s node=c down", backups=False, duration_s=30.0))
+    assert ev.outage_s is not None and FAILOVER_S[0] <= ev.outage_s <= FAILOVER_S[1]
+    assert ev.converge_s is not None
+    assert ev.converge_s - ev.outage_s <= TELL_GAP_S + 0.2 + 0.05 + 0.1, ev
