@@ -27,6 +27,8 @@ from meshopt.lab.agents import (
 )
 from meshopt.lab.lab import Lab
 from meshopt.lab.state import LabError
+from meshopt.wireguard.errors import WireGuardError
+from meshopt.wireguard.userspace import UserspaceBackend
 
 FAST_TABLE = 7701
 
@@ -180,9 +182,26 @@ class LiveMesh:
         return {r["dst"]: r["dev"] for r in routes if r.get("protocol") in ("77", 77)}
 
     def allowed_ips(self, node: str) -> dict[str, list[str]]:
-        """Peer public key -> AllowedIPs, over all of ``node``'s interfaces."""
-        out = self.lab.run(node, ["wg", "show", "all", "allowed-ips"]).stdout
+        """Peer public key -> AllowedIPs, over all of ``node``'s interfaces.
+
+        From wireguard-go's UAPI sockets where the node has them (a few ms for a whole
+        mesh, so a benchmark can read every node often without loading the machine it
+        measures), else ``wg show`` in the node."""
         result: dict[str, list[str]] = {}
+        run_dir = self.lab.wg_run_dir(node)
+        if self.lab.state.wireguard == "userspace" and run_dir.is_dir():
+            backend = UserspaceBackend(str(run_dir))
+            for w in self.lab.state.wg:
+                if w.node != node:
+                    continue
+                try:
+                    peers = backend.get(w.ifname).peers
+                except WireGuardError:  # not there (as ``wg show`` lists nothing for it)
+                    continue
+                for peer in peers:
+                    result[peer.public_key] = list(peer.allowed_ips)
+            return result
+        out = self.lab.run(node, ["wg", "show", "all", "allowed-ips"]).stdout
         for line in out.splitlines():
             parts = line.split()
             if len(parts) >= 2:
