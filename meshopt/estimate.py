@@ -126,6 +126,12 @@ def mad_sigma(values: Sequence[float]) -> float:
     return MAD_PER_SIGMA * median(abs(x - m) for x in values)
 
 
+# Samples of a link before its estimate is routed on: the controller's warm-up
+# (``warmup_samples``) waits for them on every link, and an agent tells its peers'
+# estimates the moment they reach it (meshopt.agent.telemetry).
+WARM_SAMPLES = 3
+
+
 @dataclass(frozen=True)
 class RobustConfig:
     """The outlier rule (module doc); the defaults are the benchmark's choice."""

@@ -56,6 +56,7 @@ from meshopt.agent.telemetry import (
     TELL_GAP_S,
     Cadence,
     Capacity,
+    check_interval,
     peer_report,
     signed_telemetry,
 )
@@ -211,6 +212,7 @@ class Agent:
         self.applied = False  # a route set was reconciled into the kernel at least once
         self.loops: dict[str, asyncio.Task[None]] = {}  # for /healthz
         self.started_at = wall()
+        self._began = self.clock()  # for the fast telemetry checks of the first seconds
         from meshopt.metrics.statusfile import ApplyLock, status_path
 
         self._apply_lock = ApplyLock(status_path(cfg.state_dir, cfg.mesh, cfg.node))
@@ -768,11 +770,13 @@ class Agent:
     async def _telemetry_loop(self) -> None:
         while True:
             cfg = self.cfg.telemetry  # each round: a reload may change it
-            # Every check_interval_s, or at once when a link's RTT stepped (a degradation
-            # waited up to a whole check before: ~0.5 s of the 3 s goal), but not more
-            # often than every TELL_GAP_S.
+            # Every check_interval_s (WARM_CHECK_S until the peers' estimates were told
+            # warm), or at once when a link's RTT stepped (a degradation waited up to a
+            # whole check before: ~0.5 s of the 3 s goal), but not more often than
+            # every TELL_GAP_S.
+            wait = check_interval(self.cadence.warm(), self.clock() - self._began, cfg)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._tell_now.wait(), cfg.check_interval_s)
+                await asyncio.wait_for(self._tell_now.wait(), wait)
             self._tell_now.clear()
             await asyncio.sleep(max(0.0, self._told_at + TELL_GAP_S - self.clock()))
             self._told_at = self.clock()
@@ -808,6 +812,13 @@ class Agent:
             # later gets every node's latest picture at once.
             if await self.bus.publish(self.topics.telemetry(self.cfg.node), msg, retain=plan.full):
                 self.cadence.sent(plan, now)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug(
+                        "telemetry: %s, %d peers, fewest samples %s",
+                        "full" if plan.full else "changes",
+                        len(plan.peers),
+                        min((p.samples for p in plan.peers), default="-"),
+                    )
 
     # --- bandwidth --------------------------------------------------------------------
 

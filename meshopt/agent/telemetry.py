@@ -24,6 +24,7 @@ from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.peers import PeerInfo
 from meshopt.bus.messages import PeerReport, Telemetry, peer_table
 from meshopt.bus.signing import sign
+from meshopt.estimate import WARM_SAMPLES
 from meshopt.probe.budget import IDLE, IN_USE, Rate
 from meshopt.probe.stats import ProbeStats
 
@@ -114,10 +115,13 @@ def reports_moved(
     both = has_old & has_new
     step = abs(new_rtt - old_rtt)
     rtt_step = both & (step >= cfg.rtt_change_ms) & (step >= cfg.rtt_change_rel * old_rtt)
-    # A young estimate is told again each time its samples double (up to 16): the
-    # controller routes on three, and the policy weighs a gain against their noise,
-    # which shrinks fast; a 5 s snapshot would hold the first routes back.
-    young = both & (old_samples < 16) & (new_samples >= 2 * old_samples) & (new_samples >= 2)
+    # A young estimate is told again each time its samples double (up to 16), and when
+    # they reach WARM_SAMPLES: the controller routes once every link has that many, and
+    # the policy weighs a gain against their noise, which shrinks fast; a 5 s snapshot
+    # would hold the first routes back.
+    doubled = (new_samples >= 2 * old_samples) & (new_samples >= 2)
+    warmed = (old_samples < WARM_SAMPLES) & (new_samples >= WARM_SAMPLES)
+    young = both & (old_samples < 16) & (doubled | warmed)
     dl = abs(new_loss - old_loss)
     loss = (dl != 0) & (dl >= cfg.loss_change)
     return (old_alive != new_alive) | (has_old != has_new) | rtt_step | young | loss
@@ -160,6 +164,24 @@ def significant(
 # confirms a step the agent publishes at once rather than at its next check (the agent's
 # telemetry loop; the simulator models the same rule).
 TELL_GAP_S = 0.2
+
+
+# Until its peers' estimates have reached WARM_SAMPLES, an agent checks its telemetry
+# every WARM_CHECK_S, not every check_interval_s: the controller's first routes wait for
+# the last link to be told warm, and a whole check of 1 s was most of that wait (the
+# lab's first telemetry came 1 s after the start with one sample on its slowest link,
+# WireGuard's first handshake having taken the rest). For at most WARM_WINDOW_S after
+# the start: a peer that never answers does not keep it checking fast.
+WARM_CHECK_S = 0.25
+WARM_WINDOW_S = 10.0
+
+
+def check_interval(warm: Any, since_start_s: Any, cfg: TelemetrySettings) -> Any:
+    """Seconds to the agent's next telemetry check (operators only, as
+    :func:`reports_moved`: plain values for the agent, arrays for the simulator)."""
+    fast = min(WARM_CHECK_S, cfg.check_interval_s)
+    settled = warm | (since_start_s >= WARM_WINDOW_S)
+    return fast + settled * (cfg.check_interval_s - fast)
 
 
 def full_interval(peers: int, cfg: TelemetrySettings) -> float:
@@ -217,6 +239,12 @@ class Cadence:
         sleep until then instead of checking every ``check_interval_s``)."""
         beat = self.last_sent + cfg.full_interval_s - cfg.check_interval_s / 2
         return min(beat, self.last_full + full_interval(peers, cfg))
+
+    def warm(self) -> bool:
+        """Every peer that answered was told with WARM_SAMPLES samples (a peer told dead
+        counts too; one that never answered does not: it may still)."""
+        told = self.last_published.values()
+        return bool(told) and all(p.alive is False or p.samples >= WARM_SAMPLES for p in told)
 
     def sent(self, plan: Plan, now: float) -> None:
         if plan.full:

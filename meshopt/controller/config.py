@@ -23,6 +23,7 @@ from meshopt.configfile import (
     read_toml,
 )
 from meshopt.errors import InputError
+from meshopt.estimate import WARM_SAMPLES
 from meshopt.metric import RELAY_HOP_MS, Metric
 from meshopt.metrics import ControllerMetricsSettings, parse_listen
 from meshopt.policy import PolicyConfig
@@ -77,7 +78,7 @@ class ControllerConfig:
     # estimate may move: a relay far better moves at once, a near tie waits), or warmup_s
     # after the first telemetry when some link never answers.
     warmup_s: float = 3.0
-    warmup_samples: int = 3
+    warmup_samples: int = WARM_SAMPLES
     startup_s: float = 60.0  # after the first telemetry: the routes are still settling
     # Hold time meanwhile (the policy's own hold_s after), and the confirm time of small
     # gains (the policy's confirm_s after; the noise test still applies).

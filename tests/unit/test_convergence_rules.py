@@ -13,12 +13,19 @@ import numpy as np
 import pytest
 
 from meshopt.agent.config import TelemetrySettings
-from meshopt.agent.telemetry import peer_changed
+from meshopt.agent.telemetry import (
+    WARM_CHECK_S,
+    WARM_WINDOW_S,
+    Cadence,
+    Plan,
+    check_interval,
+    peer_changed,
+)
 from meshopt.bus.messages import PeerReport
 from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import Computed, RouteEngine
 from meshopt.controller.view import MeshView, handshake_loss_discounted, jitter_noise_ms
-from meshopt.estimate import RobustConfig, RttEstimator, alpha_for
+from meshopt.estimate import WARM_SAMPLES, RobustConfig, RttEstimator, alpha_for
 from meshopt.metric import RELAY_HOP_MS, Metric
 from meshopt.policy import Installed, PolicyConfig, decide, rss_path_cost
 from meshopt.routing.allpairs import compute_routes
@@ -238,3 +245,37 @@ def test_young_estimates_are_published_again_as_their_samples_double() -> None:
     assert peer_changed(old, msgspec.structs.replace(old, samples=6), cfg_t)
     settled = msgspec.structs.replace(old, samples=32)
     assert not peer_changed(settled, msgspec.structs.replace(old, samples=64), cfg_t)
+
+
+def test_an_estimate_is_told_when_it_reaches_the_warm_up_count() -> None:
+    """The controller routes once every link has WARM_SAMPLES; 2 -> 3 is told at once,
+    where the doubling rule alone would wait for 4 (a telemetry check later)."""
+    cfg_t = TelemetrySettings()
+    two = PeerReport(public_key="k", ifname="wg0", rtt_ms=10.0, samples=2)
+    assert WARM_SAMPLES == cfg().warmup_samples == 3
+    assert peer_changed(two, msgspec.structs.replace(two, samples=3), cfg_t)
+    three = msgspec.structs.replace(two, samples=3)
+    assert not peer_changed(three, msgspec.structs.replace(two, samples=5), cfg_t)
+
+
+def test_an_agent_checks_fast_until_its_peers_were_told_warm() -> None:
+    cfg_t = TelemetrySettings()
+    cadence = Cadence()
+    assert not cadence.warm()  # nothing told yet
+    assert check_interval(cadence.warm(), 0.0, cfg_t) == WARM_CHECK_S
+    young = PeerReport(public_key="a", ifname="wg0", rtt_ms=10.0, alive=True, samples=2)
+    dead = PeerReport(public_key="b", ifname="wg0", alive=False)
+    silent = PeerReport(public_key="c", ifname="wg0")  # never answered: may still
+    cadence.sent(Plan(True, [young, dead, silent], 5.0), 1.0)
+    assert not cadence.warm()
+    cadence.sent(Plan(False, [msgspec.structs.replace(young, samples=3)], 5.0), 1.25)
+    assert not cadence.warm()  # c has not answered yet
+    assert check_interval(cadence.warm(), 1.25, cfg_t) == WARM_CHECK_S
+    cadence.sent(Plan(False, [msgspec.structs.replace(silent, alive=False)], 5.0), 1.5)
+    assert cadence.warm()
+    assert check_interval(cadence.warm(), 1.5, cfg_t) == cfg_t.check_interval_s
+    # A peer that never answers holds the fast checks for WARM_WINDOW_S at most.
+    assert check_interval(False, WARM_WINDOW_S, cfg_t) == cfg_t.check_interval_s
+    # The simulator asks for every agent at once.
+    got = check_interval(np.array([True, False, False]), np.array([0.0, 0.0, 99.0]), cfg_t)
+    assert got.tolist() == [cfg_t.check_interval_s, WARM_CHECK_S, cfg_t.check_interval_s]
