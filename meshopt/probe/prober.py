@@ -273,6 +273,7 @@ class _Peer:
     bytes_sent: int = 0
     bytes_received: int = 0
     not_before: float = 0.0  # no first probe before this (Target.first_after_s)
+    heard: bool = False  # its probe came through the tunnel: ours start no handshake
 
 
 @dataclass(slots=True)
@@ -440,7 +441,10 @@ class Prober:
         handshake. True if a held probe was released."""
         peer = self._peers.get(name)
         now = self._clock() if now is None else now
-        if peer is None or peer.last_sent is not None or peer.not_before <= now:
+        if peer is None:
+            return False
+        peer.heard = True
+        if peer.last_sent is not None or peer.not_before <= now:
             return False
         peer.not_before = now
         peer.next_send = now
@@ -730,7 +734,7 @@ class Prober:
             send_ns,
             sent_at,
             sent_at + self.config.timeout_s,
-            early=peer.alive is None,
+            early=peer.alive is None and not peer.heard,
             stamped_at=stamped_at,
         )
         peer.last_sent = sent_at

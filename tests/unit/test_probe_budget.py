@@ -652,3 +652,19 @@ def test_a_held_first_probe_goes_as_soon_as_the_peer_is_heard(harness: Harness) 
     assert b and start + 0.4 <= b[0] <= start + 0.4 + 0.011, b[0] - start
     assert all(abs(g - 0.33) <= 0.011 for g in gaps(b)), gaps(b)
     assert harness.prober.release("b") is False  # probed already
+
+
+def test_a_probe_sent_after_the_peer_was_heard_is_an_rtt_sample(harness: Harness) -> None:
+    """A peer's probe came through the tunnel, so it has a session and ours wait for no
+    handshake: the released first probe's reply is a sample, not an ``early_reply``
+    (the warm-up's three samples came a probe interval sooner on such links)."""
+    harness.prober.set_targets(
+        [Target("a", "127.0.0.1"), Target("b", "127.0.0.1", first_after_s=2.0)]
+    )
+    harness.run(0.4)
+    assert harness.prober.counters["early_reply"] == 1  # a's first: it may have waited
+    assert harness.prober.release("b") is True
+    harness.run(0.05)
+    b = harness.prober.stats("b")
+    assert b is not None and b.samples == 1
+    assert harness.prober.counters["early_reply"] == 1
