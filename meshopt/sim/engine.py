@@ -49,8 +49,13 @@ until the next event (or the end); after an event, pairs that were already outsi
 margin when it came are left out of that (unless the event cuts them): they are the
 previous interval's, and still counted in ``suboptimal_pairs``.
 
-Not modelled: WireGuard handshakes (a lost first handshake retried after 5 s), the
-first probe's handshake delay (the agent drops it from the third sample on), CPU time
+WireGuard's first handshake on each tunnel is modelled as the agents meet it
+(:class:`_Handshakes`): one end initiates, the other holds its first probe until it
+hears the initiator's, and replies to probes sent before a peer first answered are
+proof of life, not RTT samples. Until its peers' estimates were told warm an agent
+checks its telemetry every ``WARM_CHECK_S`` (:func:`meshopt.agent.telemetry.check_interval`).
+
+Not modelled: a lost first handshake (retried after 5 s), CPU time
 (the controller's recompute and the agents' work take none), the controller's batching
 of routine snapshots, the relay-hop forwarding delay beyond the metric's 0.1 ms, the
 controller's sticky backups in meshes that are not symmetric (the plain loop-free
@@ -69,13 +74,14 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.agent.config import ProbeSettings, TelemetrySettings, probe_budget_config
+from meshopt.agent.peers import HANDSHAKE_DEFER_S
 from meshopt.agent.plan import next_hop_in_use
-from meshopt.agent.telemetry import TELL_GAP_S, full_interval, reports_moved
+from meshopt.agent.telemetry import TELL_GAP_S, check_interval, full_interval, reports_moved
 from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import RouteEngine, startup_policy
 from meshopt.controller.view import Matrices, link_matrices, warmed_up
 from meshopt.errors import InputError
-from meshopt.estimate import RobustConfig
+from meshopt.estimate import WARM_SAMPLES, RobustConfig
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig
@@ -506,9 +512,10 @@ class _Agents:
     last_seen: FloatArray  # per node: its last telemetry (-inf: none yet)
     last_full: FloatArray
     next_check: FloatArray
+    boot: FloatArray  # when each agent started
 
     @classmethod
-    def start(cls, n: int, window: int, first_check: FloatArray) -> _Agents:
+    def start(cls, n: int, window: int, boot: FloatArray, tel: TelemetrySettings) -> _Agents:
         z = np.zeros((n, n))
         return cls(
             n=n,
@@ -526,7 +533,8 @@ class _Agents:
             pub_sent=z.copy(),
             last_seen=np.full(n, -np.inf),
             last_full=np.full(n, -np.inf),
-            next_check=first_check.copy(),
+            next_check=boot + check_interval(False, 0.0, tel),
+            boot=boot.copy(),
         )
 
     def probe(self, probed: BoolArray | None, got: BoolArray, reply_at: FloatArray) -> None:
@@ -544,6 +552,66 @@ class _Agents:
             self.got_bits = np.where(probed, g, self.got_bits)
             self.lost_bits = np.where(probed, lo, self.lost_bits)
         np.copyto(self.last_reply, reply_at, where=got)
+
+
+@dataclass
+class _Handshakes:
+    """WireGuard's first handshake on every tunnel, as the lab's agents start.
+
+    One end of each tunnel initiates (the smaller public key: here a coin per tunnel);
+    the other holds its first probe until the initiator's probe reaches it, a handshake
+    and a one-way trip (1.5 RTT) after it was sent, or ``HANDSHAKE_DEFER_S`` (the agent's
+    :func:`~meshopt.agent.peers.first_probe_delay` and ``Prober.release``), and that
+    probe counts. The initiator's probes count from the one after its first answered
+    probe: replies to probes sent before a peer first answered are proof of life, not
+    RTT samples (the prober's ``early_reply``), as the first waited for the handshake.
+    """
+
+    held_until: FloatArray  # no probe on the link before this
+    counted_from: FloatArray  # probes sent before this are early
+    done: float  # after this, nothing is held or early
+
+    @classmethod
+    def at_start(
+        cls,
+        topo: Topology,
+        boot: FloatArray,
+        phase: float,
+        interval: float,
+        rng: np.random.Generator,
+    ) -> _Handshakes | None:
+        n = topo.n
+        if n < 2:
+            return None
+
+        def round_at(t: FloatArray) -> FloatArray:  # the first probe round at or after t
+            k = np.maximum(np.ceil((t - phase) / interval - 1e-9), 0.0)
+            return np.asarray(phase + k * interval)
+
+        coin = np.triu(rng.random((n, n)) < 0.5, 1)
+        initiates = coin | np.tril(~coin.T, -1)  # [i, j]: i starts the handshake with j
+        rtt_s = topo.rtt_ms() / 1000.0
+        bi, bj = boot[:, None], boot[None, :]
+        # The initiator: the round that reaches a started peer is answered first (early).
+        answered = round_at(np.maximum(bi, bj))
+        # The other end (row i, initiator j): hears j's first probe that finds it up.
+        first_in = round_at(np.maximum(bj, bi - 1.5 * rtt_s))
+        heard = np.minimum(first_in + 1.5 * rtt_s, bi + HANDSHAKE_DEFER_S)
+        # Held until heard; if the defer ran out instead, that first probe is early too.
+        held = np.where(initiates, -np.inf, heard)
+        defer_out = first_in + 1.5 * rtt_s > bi + HANDSHAKE_DEFER_S
+        counted = np.where(
+            initiates, answered + interval, np.where(defer_out, heard + interval, heard)
+        )
+        tunnel = topo.tunnels & ~np.eye(n, dtype=bool)
+        held = np.where(tunnel, held, -np.inf)
+        counted = np.where(tunnel, counted, -np.inf)
+        return cls(held, counted, float(max(held.max(), counted.max())))
+
+    def probes(self, probed: BoolArray, sent_at: float) -> tuple[BoolArray, BoolArray]:
+        """(the links probed in the round at ``sent_at``, those of them early)."""
+        sent = probed & (self.held_until <= sent_at + 1e-9)
+        return sent, sent & (sent_at < self.counted_from - 1e-9)
 
 
 def simulate(
@@ -580,7 +648,8 @@ def simulate(
     # When each agent starts (probing and answering), its probes' phase and its checks.
     boot = cfg.boot_s + rng.uniform(0.0, cfg.boot_spread_s, n)
     probe_phase = float(rng.uniform(0.0, interval))
-    agents = _Agents.start(n, cfg.loss_window, boot + tel.check_interval_s)
+    agents = _Agents.start(n, cfg.loss_window, boot, tel)
+    start_hs = _Handshakes.at_start(topo, boot, probe_phase, interval, rng)
     engine = RouteEngine(cfg.policy, relay_hop_ms=relay, symmetric=cfg.symmetric, max_incremental=8)
     clock = time.perf_counter
     phase = dict.fromkeys(
@@ -663,10 +732,20 @@ def simulate(
             noise = rng.standard_normal((n, n)) * truth.sigma
             lost = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
             sample = np.maximum(truth.rtt + noise, 0.0)
+            early: BoolArray | None = None
+            if start_hs is not None:  # the first handshakes: held probes, early replies
+                probed, early = start_hs.probes(probed, sent_at)
+                some = True
+                if sent_at >= start_hs.done:
+                    start_hs = None
             every = bool(up.all()) and not some  # every link probed: no mask to apply
-            est.update(sample, lost, None if every else probed)
             got = probed & ~lost
-            agents.probe(None if every else probed, got, sent_at + sample / 1000.0)
+            reply_at = sent_at + sample / 1000.0
+            if early is not None:  # proof of life, no RTT sample (the prober's early_reply)
+                np.copyto(agents.last_reply, reply_at, where=got & early)
+                probed, got = probed & ~early, got & ~early
+            est.update(sample, lost, None if every else probed)
+            agents.probe(None if every else probed, got, reply_at)
             if budget is not None:
                 budget.sent(probed, sent_at)
             if est.stepped:  # a confirmed step: the agent tells at once (TELL_GAP_S apart)
@@ -862,7 +941,10 @@ def _report(
     a.pub_sent[ri, ci] = a.sent[rows][take]
     a.last_seen[rows] = now
     a.last_full[rows] = np.where(full[:, 0], now, a.last_full[rows])
-    a.next_check[rows] += tel.check_interval_s
+    # Fast checks until the row was told warm (the agent's Cadence.warm), for at most
+    # WARM_WINDOW_S after its start.
+    told = (a.pub_alive[rows] == 0) | (a.pub_samples[rows] >= WARM_SAMPLES) | ~tunnel[rows]
+    a.next_check[rows] += check_interval(told.all(axis=1), now - a.boot[rows], tel)
 
 
 def _measured(agents: _Agents, tunnel: BoolArray, min_samples: int) -> bool:

@@ -24,9 +24,10 @@ TOPOLOGIES = Path(__file__).parents[2] / "topologies"
 PROBE = SimConfig().probe_interval_s  # 0.33 s, the agent's
 HOLD = PolicyConfig().hold_s  # 30 s
 DEAD = SimConfig().dead_after_s  # 0.8 s after the last reply, the prober's
-# Agents all started at 0 s (the default boots them at 2-3 s, as the lab's do): their
-# first telemetry is at 1 s (the agent's first check), with 3 samples per link, so the
-# controller routes after its 0.2 s debounce and the routes are in by ~1.25 s.
+# Agents all started at 0 s (the default boots them at 2-3 s, as the lab's do): after
+# WireGuard's first handshakes every link has its third sample by ~1-1.3 s, told at the
+# agents' next 0.25 s check, so the controller routes after its 0.2 s debounce and the
+# routes are in by ~1.3-1.8 s.
 AT_ONCE: dict[str, Any] = {"boot_s": 0.0, "boot_spread_s": 0.0}
 FIRST = (1.0, 2.5)  # first routes installed within this, with AT_ONCE
 # A change probed at t is confirmed by the agent's robust estimator on its third outlier
@@ -174,11 +175,15 @@ def test_a_recent_change_is_held_until_the_hold_time_ends() -> None:
     """a-b relays via c from the start. After the start-up (60 s, when changes are held
     5 s only), at 70 s c's link to a gets five times slower and a<->b goes direct. At
     80 s it is fast again, so via c wins again, but a->b changed ~9 s ago: the policy
-    holds it until 30 s after that change (no path failed)."""
+    holds it until 30 s after that change (no path failed).
+
+    c's own route to a is its tunnel, so c probes a-c at the idle rate: the step waits
+    for c's next idle probe (seeds 0-11 read 0.9-1.2 s without the budget, 0.8-2.85 s
+    with it)."""
     topo = load_topology(str(TOPOLOGIES / "triangle.yaml"))
     r = run(topo, "at=70s link=a-c delay=50ms", "at=80s link=a-c delay=10ms", duration_s=120.0)
     slow, back = r.events
-    assert slow.converge_s is not None and slow.converge_s <= REACT[1]
+    assert slow.converge_s is not None and slow.converge_s <= REACT_IDLE[1]
     assert slow.route_changes == 2
     assert back.outage_s == 0.0
     assert back.converge_s is not None
@@ -344,11 +349,19 @@ def test_jitter_does_not_make_routes_flap() -> None:
 
 
 def test_europe_with_its_jitter_stays_stable() -> None:
+    """The relayed pairs are installed at the start (not counted). The first routes come
+    on three samples a link, so a pair whose first relay was one of two near ties (e.g.
+    mad->sto via par or fra, 1.3 ms apart) may take the other once, when the policy
+    confirms the small gain: once, never back. mil-waw (1 % loss each way) is declared
+    dead when two probes in a row are lost (0.04 % of probes), its pairs fail over and
+    come back: two changes per fail-over, and no other pair fails over."""
     r = simulate(load_topology(str(TOPOLOGIES / "europe.yaml")), [], SimConfig(duration_s=600.0))
     assert r.initial_converge_s is not None and r.initial_converge_s <= 8.0
-    # The relayed pairs are installed at the start (not counted); nothing moves after.
-    assert r.route_changes <= 2
-    assert all(count <= 2 for _, _, count in r.max_changes_pair)
+    for a, b, count in r.max_changes_pair:
+        if {a, b} == {"mil", "waw"}:
+            assert count <= 2 * r.failovers + 1
+        else:
+            assert count <= 1, (a, b, count)
 
 
 @pytest.mark.parametrize("name", ["bench8.yaml", "demo.yaml"])
