@@ -25,9 +25,14 @@ A peer is declared dead ``dead_after_s = 0.8`` s after its last reply, checked b
 timer set for that moment (not when replies arrive), so ``on_change(name, False)``
 fires about 0.8 s after the last reply: within the 1 s the agent's local fail-over
 needs. At 0.33 s between probes one lost probe leaves a 0.66 s gap (tolerated); two
-in a row (0.99 s) declare the peer dead, so with independent loss ``p`` a healthy
-peer is falsely declared dead with probability about ``p**2`` per probe (1 % loss:
-once an hour per peer; 0.1 %: once in four days) and comes back at its next reply.
+in a row (0.99 s) would declare the peer dead, so with independent loss ``p`` a healthy
+peer would be falsely declared dead with probability about ``p**2`` per probe (1 % loss
+each way: every 14 minutes per peer in use, a fail-over and a route change each time).
+So a probe that is still unanswered :func:`retry_after` it was sent (twice the smoothed
+RTT plus 10 ms, at most half the peer's interval: it was lost, not slow) is sent again
+once (``retries``): a healthy peer then needs four probes in a row lost (``p**4``; 1 %
+each way: once in ten years per peer), a dead one is found at the same moment, and
+the retries cost ``p`` of the probes' bytes.
 
 Silence only counts against a peer while we were asking: it is declared dead when, on
 top of ``dead_after_s`` without a reply, at least two probes sent after its last reply
@@ -192,6 +197,17 @@ class ProbeConfig:
         return Rate(IN_USE, self.interval_s, self.dead_after_s)
 
 
+RETRY_MIN_S = 0.03  # never retry sooner: a reply read at the next tick is not lost
+
+
+def retry_after(srtt_ms: float | None, interval_s: float) -> float | None:
+    """Seconds after which an unanswered probe is sent again (None: no RTT known yet,
+    the peer's first replies may wait for a handshake)."""
+    if srtt_ms is None:
+        return None
+    return min(max(2.0 * srtt_ms / 1000.0 + 0.01, RETRY_MIN_S), interval_s / 2.0)
+
+
 def min_unanswered(rate: Rate) -> int:
     """Two unanswered probes where the dead time spans two intervals (the default), else
     one: never later than the configured dead time for a healthy sender."""
@@ -337,6 +353,7 @@ class Prober:
             "recv_error": 0,
             "stalls": 0,
             "early_reply": 0,
+            "retries": 0,
         }
         self._peers: dict[str, _Peer] = {}
         # (time, tie, peer) heaps, checked lazily: an entry whose peer was dropped, whose
@@ -344,6 +361,7 @@ class Prober:
         # costs O(log n) per due event, not a walk over every peer.
         self._sends: list[tuple[float, int, _Peer]] = []
         self._deaths: list[tuple[float, int, _Peer]] = []
+        self._retries: list[tuple[float, int]] = []  # (when, seq) of probes to send again
         self._tie = itertools.count()
         self._pending: dict[int, _Pending] = {}  # in send order
         self._recent = _Recent()
@@ -612,6 +630,11 @@ class Prober:
             heapq.heappop(deaths)
         if deaths:
             wake = min(wake, deaths[0][0])  # maybe stale (a reply came): a wasted wake-up
+        retries = self._retries
+        while retries and retries[0][1] not in self._pending:
+            heapq.heappop(retries)  # answered (or expired) meanwhile
+        if retries:
+            wake = min(wake, retries[0][0])
         for pending in self._pending.values():  # the oldest times out first
             wake = min(wake, pending.expires_at)
             break
@@ -676,6 +699,14 @@ class Prober:
                 # a whole window.
                 continue
             pending.peer.window.add_loss(seq, now)
+        retries = self._retries
+        while retries and retries[0][0] <= due:
+            _, seq = heapq.heappop(retries)
+            waiting = self._pending.get(seq)
+            # Unanswered (replies were read before this tick): lost, not slow. Once.
+            if waiting is not None and self._current(waiting.peer) and waiting.peer.alive:
+                self.counters["retries"] += 1
+                self._send(waiting.peer, retry=True)
         deaths = self._deaths
         while deaths and deaths[0][0] <= due:
             _, _, peer = heapq.heappop(deaths)
@@ -709,7 +740,7 @@ class Prober:
             self._push_send(peer)
             self._push_death(peer)
 
-    def _send(self, peer: _Peer) -> None:
+    def _send(self, peer: _Peer, *, retry: bool = False) -> None:
         sock = self._sock
         if sock is None:
             return
@@ -737,6 +768,10 @@ class Prober:
             early=peer.alive is None and not peer.heard,
             stamped_at=stamped_at,
         )
+        if not retry and peer.alive:
+            after = retry_after(peer.window.estimator.srtt_ms, self._interval(peer))
+            if after is not None:
+                heapq.heappush(self._retries, (sent_at + after, seq))
         peer.last_sent = sent_at
         if peer.unanswered == 0:
             peer.first_unanswered = sent_at

@@ -28,7 +28,14 @@ from meshopt.probe.budget import (
     route_use,
 )
 from meshopt.probe.packet import decode, encode, probe_bytes_per_s, reply_to
-from meshopt.probe.prober import COALESCE_S, GRID_S, ProbeConfig, Prober, Target
+from meshopt.probe.prober import (
+    COALESCE_S,
+    GRID_S,
+    RETRY_MIN_S,
+    ProbeConfig,
+    Prober,
+    Target,
+)
 from meshopt.probe.timestamps import open_udp_socket
 
 CFG = BudgetConfig()
@@ -422,9 +429,12 @@ def test_an_idle_peer_is_judged_against_its_own_interval(harness: Harness) -> No
     assert deaths["fast"] - last_fast == pytest.approx(0.8, abs=0.011)
     idle_dead = IDLE_2S.dead_after_s
     assert deaths["idle"] - last_idle == pytest.approx(idle_dead, abs=0.011)
-    # Two idle probes went out unanswered before it was judged, the second 2 s after the first.
+    # Two idle probes went out unanswered before it was judged, the second 2 s after the
+    # first, each sent again once RETRY_MIN_S later (lost, not slow: RTT 0.1 ms); the
+    # retries move the death neither earlier nor later.
     asked = [t for t in harness.sends("idle") if last_idle < t <= deaths["idle"]]
-    assert gaps(asked) == [2.0] and len(asked) == 2
+    assert gaps(asked) == [RETRY_MIN_S, 2.0 - RETRY_MIN_S, RETRY_MIN_S]
+    assert harness.prober.counters["retries"] == 2 + 2  # each peer: its two lost probes
 
 
 def test_an_idle_peer_becoming_in_use_is_probed_fast_at_once(harness: Harness) -> None:
@@ -475,11 +485,12 @@ def test_a_promoted_peer_is_not_judged_on_the_slow_probe_it_missed(harness: Harn
 def test_an_idle_link_that_steps_is_probed_fast_until_the_step_is_confirmed(
     harness: Harness,
 ) -> None:
-    """10 ms -> 50 ms on an idle link: the first idle probe that sees it is an outlier,
+    """10 ms -> 20 ms on an idle link: the first idle probe that sees it is an outlier,
     the next ones go every 0.33 s, the estimate moves ~1 s later (not 3 idle intervals),
-    then the link is probed every 2 s again."""
+    then the link is probed every 2 s again. (20 ms: answered before the probe is
+    retried, 30 ms after it was sent; a larger step is retried too, as the spike below.)"""
     step_at = 1030.0
-    harness.rtt_ms = lambda name, now: 50.0 if now >= step_at else 10.0
+    harness.rtt_ms = lambda name, now: 20.0 if now >= step_at else 10.0
     harness.peers("p")
     harness.prober.set_rates({"p": IDLE_2S})
     harness.run(30.0)  # past the estimator's warm-up
@@ -488,10 +499,11 @@ def test_an_idle_link_that_steps_is_probed_fast_until_the_step_is_confirmed(
     harness.run(4.0)
     after = [t for t in harness.sends("p") if t >= step_at]
     assert gaps(after[:4]) == [0.33, 0.33, 0.33]
-    assert estimator.srtt_ms == pytest.approx(50.0) and not estimator.confirming
+    assert estimator.srtt_ms == pytest.approx(20.0) and not estimator.confirming
     assert after[2] - step_at <= 2.0 + 0.67 + 1e-6  # confirmed on the third sample
     # ... and the agent is told when its reply came (to publish at once)
-    assert harness.steps == [("p", pytest.approx(after[2] + 0.05, abs=0.011))]
+    assert harness.steps == [("p", pytest.approx(after[2] + 0.02, abs=0.011))]
+    assert harness.prober.counters["retries"] == 0
     harness.run(6.0)
     # one more fast probe was already due when the third reply confirmed it; then 2 s
     later = [t for t in harness.sends("p") if t > after[3]]
@@ -515,9 +527,12 @@ def test_an_idle_link_with_one_spike_is_probed_fast_once(harness: Harness) -> No
     assert estimator.srtt_ms == pytest.approx(10.0) and estimator.outliers == 1
     assert harness.steps == []  # a spike is no step
     after = [t for t in harness.sends("p") if t >= spike_at[0]]
-    # the fast probe that dismissed it, and the one already due when it did; then 2 s
-    assert gaps(after[:3]) == [0.33, 0.33]
-    assert len(after) >= 6 and all(g == pytest.approx(2.0, abs=GRID_S) for g in gaps(after[2:]))
+    # Unanswered RETRY_MIN_S after it went (a 10 ms link), the spiked probe was sent
+    # again once; then the fast probe that dismissed it and the one already due when it
+    # did, 0.33 s apart from the retry; then 2 s
+    assert gaps(after[:4]) == [RETRY_MIN_S, 0.33, 0.33]
+    assert harness.prober.counters["retries"] == 1
+    assert len(after) >= 7 and all(g == pytest.approx(2.0, abs=GRID_S) for g in gaps(after[3:]))
 
 
 def test_a_slower_rate_of_the_same_class_keeps_phases(harness: Harness) -> None:
@@ -668,3 +683,28 @@ def test_a_probe_sent_after_the_peer_was_heard_is_an_rtt_sample(harness: Harness
     b = harness.prober.stats("b")
     assert b is not None and b.samples == 1
     assert harness.prober.counters["early_reply"] == 1
+
+
+def test_two_lost_probes_in_a_row_are_sent_again_and_kill_no_peer(harness: Harness) -> None:
+    """Without retries two probes lost in a row (0.04 % of probes at 1 % loss each way)
+    left no reply within dead_after_s, and a healthy peer was declared dead: a fail-over
+    and a route change. Each unanswered probe is now sent again once RETRY_MIN_S later,
+    and only a peer that answers neither is dead (as before, 0.8 s after its last reply)."""
+    lost: list[float] = []
+
+    def answer(name: str, now: float) -> bool:
+        # Two regular probes in a row lost; every other probe (the retries) answered.
+        if now >= 1002.0 and len(lost) < 2 and (not lost or now - lost[-1] > 0.2):
+            lost.append(now)
+            return False
+        return True
+
+    harness.answer = answer
+    harness.peers("p")
+    harness.prober.set_rates({"p": FAST})
+    harness.run(4.0)
+    assert len(lost) == 2 and lost[1] - lost[0] == pytest.approx(0.33, abs=0.011)
+    assert harness.events == [] and harness.prober.alive("p") is True
+    assert harness.prober.counters["retries"] == 2
+    retried = [t for t in harness.sends("p") if any(abs(t - x - RETRY_MIN_S) < 1e-6 for x in lost)]
+    assert len(retried) == 2
