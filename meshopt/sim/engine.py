@@ -86,6 +86,7 @@ from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig
 from meshopt.probe.budget import BudgetConfig
+from meshopt.probe.prober import RETRY_MIN_S
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
 from meshopt.routing.tables import IntArray, reduce_paths
@@ -746,6 +747,23 @@ def simulate(
                 probed, got = probed & ~early, got & ~early
             est.update(sample, lost, None if every else probed)
             agents.probe(None if every else probed, got, reply_at)
+            # A lost probe to a live peer is sent again once (the prober's retry_after):
+            # its reply proves the peer alive (the window keeps the first probe's loss).
+            retry = probed & lost & ~dead & np.isfinite(agents.last_reply)
+            retry &= np.isfinite(est.srtt)
+            if retry.any():
+                per_link = (
+                    interval
+                    if budget is None
+                    else np.where(budget.in_use, interval, budget.idle_s[:, None])
+                )
+                after = np.minimum(
+                    np.maximum(2.0 * est.srtt / 1000.0 + 0.01, RETRY_MIN_S), per_link / 2.0
+                )
+                lost2 = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+                again = retry & ~lost2
+                np.copyto(agents.last_reply, reply_at + after, where=again)
+                got = got | again
             if budget is not None:
                 budget.sent(probed, sent_at)
             if est.stepped:  # a confirmed step: the agent tells at once (TELL_GAP_S apart)
