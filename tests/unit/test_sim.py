@@ -494,3 +494,40 @@ def test_a_dead_relay_is_told_at_once_and_routed_around_without_waiting_for_a_ch
     assert ev.outage_s is not None and FAILOVER_S[0] <= ev.outage_s <= FAILOVER_S[1]
     assert ev.converge_s is not None
     assert ev.converge_s - ev.outage_s <= TELL_GAP_S + 0.2 + 0.05 + 0.1, ev
+
+
+@pytest.mark.parametrize("seed", [0, 1])  # a initiates with seed 0, b with seed 1
+def test_the_first_handshake_holds_one_end_and_makes_the_first_reply_no_sample(
+    seed: int,
+) -> None:
+    """WireGuard's first handshake as the lab's agents meet it: of each tunnel one end
+    initiates; its first answered probe waited for the handshake (an early reply, no
+    sample); the other end sends nothing until the initiator's probe reached it, a
+    handshake and a one-way trip (1.5 RTT) after it went, and that first probe counts."""
+    from meshopt.sim.engine import _Handshakes
+
+    topo = mesh("ab", {"a-b": 40.0}, default_ms=40.0)  # RTT 80 ms
+    boot = np.array([0.0, 0.5])
+    hs = _Handshakes.at_start(topo, boot, 0.0, PROBE, np.random.default_rng(seed))
+    assert hs is not None
+    rounds = [k * PROBE for k in range(12)]
+    tunnel = ~np.eye(2, dtype=bool)
+    out = [hs.probes(tunnel & (boot <= t)[:, None], t) for t in rounds]  # as the loop asks
+    first_reached = min(t for t in rounds if t >= max(boot))  # both agents are up
+    initiators = 0
+    for i, j in ((0, 1), (1, 0)):
+        sent = [t for t, (s, _) in zip(rounds, out, strict=True) if s[i, j]]
+        early = [t for t, (_, e) in zip(rounds, out, strict=True) if e[i, j]]
+        if hs.held_until[i, j] == -np.inf:  # i initiates: it probes from its start
+            initiators += 1
+            assert sent[0] == min(t for t in rounds if t >= boot[i])
+            assert early == [t for t in sent if t <= first_reached]
+        else:  # i waits for j's first probe that found it up, plus 1.5 RTT
+            assert early == [] and sent[0] >= first_reached + 1.5 * 0.08
+            assert sent[0] - (first_reached + 0.12) < PROBE
+    assert initiators == 1 and hs.done < 2.0
+    # Both ends started together, no boot gap: the held end still waits 1.5 RTT.
+    both = _Handshakes.at_start(topo, np.zeros(2), 0.0, PROBE, np.random.default_rng(1))
+    assert both is not None and sorted(both.held_until[both.held_until > -np.inf]) == [
+        pytest.approx(0.12)
+    ]
