@@ -15,8 +15,9 @@ The events are chosen from the topology file, not from the live mesh, so both si
 get the same ones, as the same ``lab set`` / ``--event`` text. Per event, both sides
 report: the outage (the simulator over every pair; the lab from 50 pings a second of
 one pair the relay carried, as ``bench convergence``), the convergence time (every
-pair within the policy's large margins of the new optimum, from readings of every
-node's next hops every ``READ_EVERY_S`` in the lab), the next-hop changes in the event's window
+pair within the policy's large margins of the new optimum, 3 ms or 10 %, and beside it
+within 3 ms or 5 %; from readings of every node's next hops every ``READ_EVERY_S`` in
+the lab), the next-hop changes in the event's window
 (the lab's readings see what was installed at each reading; the simulator counts every
 entry in use that changed, fail-overs included) and the next hops in use when the
 window ends, compared pair by pair. Goals: final routes identical for >= 95 % of pairs,
@@ -30,7 +31,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,11 @@ from meshopt.topology.load import load_topology
 from meshopt.topology.model import Topology
 
 Progress = Callable[[str], None]
+# Converged: every pair within the policy's large margins of the optimum (3 ms or 10 %,
+# what the controller moves a pair for at once; issue 14 item 3's "within the large
+# margins"); and, stricter, within 3 ms or 5 % (``*_5pct_s``), which a pair whose gain
+# is a small one (5-10 %) reaches only after the policy's confirm time, or never.
+STRICT_REL = 0.05
 TOPOLOGIES = ("topologies/bench8.yaml", "topologies/demo.yaml", "gen:geo:n=16,seed=1")
 JITTER_SHARE = 0.115  # sigma of +/- 20 % uniform, as bench convergence's stability run
 
@@ -148,25 +154,32 @@ def sim_side(
     extra: dict[str, float] = {}
     if boot is not None:
         extra = {"boot_s": boot[0], "boot_spread_s": max(boot[1] - boot[0], 0.0)}
+    large = PolicyConfig().rel_margin
     for seed in range(seeds):
         cfg = SimConfig(
             duration_s=tl.end,
             seed=seed,
             symmetric=True,
             keep_routes=True,
-            converge_rel=0.05,
+            converge_rel=large,
             **extra,  # type: ignore[arg-type]
         )
         rep = simulate(sc.topo, events, cfg)
-        by_text = {e.event: e for e in rep.events}
-        one: dict[str, Any] = {"initial_converge_s": rep.initial_converge_s}
+        # The same run scored by the stricter reading (the scoring changes nothing else).
+        strict = simulate(sc.topo, events, replace(cfg, converge_rel=STRICT_REL))
+        one: dict[str, Any] = {
+            "initial_converge_s": rep.initial_converge_s,
+            "initial_converge_5pct_s": strict.initial_converge_s,
+        }
         for name, start, _ in _windows(sc, tl):
             # The window's first event (the jitter period is one event per link).
             ev = next(e for e in rep.events if abs(e.at_s - start) < 1e-6)
             last = [e for e in rep.events if abs(e.at_s - start) < 1e-6][-1]
+            last5 = [e for e in strict.events if abs(e.at_s - start) < 1e-6][-1]
             one[name] = {
                 "outage_s": ev.outage_s if ev.broken_pairs else 0.0,
                 "converge_s": last.converge_s,
+                "converge_5pct_s": last5.converge_s,
                 "decided_changes": sum(
                     e.route_changes for e in rep.events if start - 1e-6 <= e.at_s < _end(tl, name)
                 ),
@@ -175,7 +188,6 @@ def sim_side(
                 ),
                 "routes": _window_routes(rep.events, _end(tl, name)),
             }
-        del by_text
         runs.append(one)
     return {"runs": runs, **_medians(runs, sc, tl)}
 
@@ -195,15 +207,19 @@ def _window_routes(events: list[Any], end: float) -> dict[str, dict[str, str]] |
 
 
 def _medians(runs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:
-    out: dict[str, Any] = {"initial_converge_s": _med([r["initial_converge_s"] for r in runs])}
+    out: dict[str, Any] = {k: _med([r.get(k) for r in runs]) for k in FIRST}
     for name, _, _ in _windows(sc, tl):
         rs = [r[name] for r in runs if name in r]
         out[name] = {
-            k: _med([r[k] for r in rs])
-            for k in ("outage_s", "converge_s", "decided_changes", "hop_changes")
+            k: _med([r.get(k) for r in rs])
+            for k in ("outage_s", *WINDOW_TIMES, "decided_changes", "hop_changes")
         }
         out[name]["routes"] = rs[0]["routes"] if rs else None
     return out
+
+
+FIRST = ("initial_converge_s", "initial_converge_5pct_s")
+WINDOW_TIMES = ("converge_s", "converge_5pct_s")
 
 
 def _med(values: list[Any]) -> float | None:
@@ -245,11 +261,13 @@ class _Reader(threading.Thread):
             self.stop.wait(max(0.0, READ_EVERY_S - (time.monotonic() - began)))
 
 
-def _kept_all(best: Plan, hops: dict[str, dict[str, str]], policy: PolicyConfig) -> bool:
+def _kept_all(
+    best: Plan, hops: dict[str, dict[str, str]], policy: PolicyConfig, rel: float
+) -> bool:
     from meshopt.bench.convergence import kept
     from meshopt.lab.measure import pairs
 
-    return kept(best, hops, policy.abs_margin_ms, 0.05) == len(pairs(sorted(hops)))
+    return kept(best, hops, policy.abs_margin_ms, rel) == len(pairs(sorted(hops)))
 
 
 def _converged(
@@ -258,14 +276,15 @@ def _converged(
     start: float,
     end: float,
     policy: PolicyConfig,
+    rel: float,
 ) -> float | None:
     """Seconds from ``start`` to the first reading from which every reading in the window
-    had every pair within the margins (None: never)."""
+    had every pair within ``policy.abs_margin_ms`` or ``rel`` of the optimum (None: never)."""
     at: float | None = None
     for t, hops in log:
         if t < start or t >= end:
             continue
-        ok = _kept_all(best, hops, policy)
+        ok = _kept_all(best, hops, policy, rel)
         at = None if not ok else (t if at is None else at)
     return None if at is None else at - start
 
@@ -364,13 +383,17 @@ def lab_side(
         reader.stop.set()
         reader.join(timeout=30)
         log = reader.log
-        out["initial_converge_s"] = _converged(
-            log, best_start, 0.0, windows[0][1] if windows else tl.end, policy
+        first_end = windows[0][1] if windows else tl.end
+        large = policy.rel_margin
+        out["initial_converge_s"] = _converged(log, best_start, 0.0, first_end, policy, large)
+        out["initial_converge_5pct_s"] = _converged(
+            log, best_start, 0.0, first_end, policy, STRICT_REL
         )
         for name, start, end in windows:
             out[name] = {
                 "outage_s": outages.get(name),
-                "converge_s": _converged(log, bests[name], start, end, policy),
+                "converge_s": _converged(log, bests[name], start, end, policy, large),
+                "converge_5pct_s": _converged(log, bests[name], start, end, policy, STRICT_REL),
                 "hop_changes": _changes(log, start, end),
                 "routes": _at(log, end),
             }
@@ -437,11 +460,8 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
     n = sc.topo.n
     pairs_ = n * (n - 1) // 2
     rows: dict[str, Any] = {
-        "initial_converge_s": {
-            "sim": sim.get("initial_converge_s"),
-            "lab": lab.get("initial_converge_s"),
-            "ok": _time_ok(sim.get("initial_converge_s"), lab.get("initial_converge_s")),
-        }
+        k: {"sim": sim.get(k), "lab": lab.get(k), "ok": _time_ok(sim.get(k), lab.get(k))}
+        for k in FIRST
     }
     for name, _, _ in _windows(sc, tl):
         s, m = sim.get(name, {}), lab.get(name, {})
@@ -452,8 +472,8 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
         rows[name] = {
             "outage_s": {"sim": s.get("outage_s"), "lab": m.get("outage_s"),
                          "ok": _time_ok(s.get("outage_s"), m.get("outage_s"))},
-            "converge_s": {"sim": s.get("converge_s"), "lab": m.get("converge_s"),
-                           "ok": _time_ok(s.get("converge_s"), m.get("converge_s"))},
+            **{k: {"sim": s.get(k), "lab": m.get(k), "ok": _time_ok(s.get(k), m.get(k))}
+               for k in WINDOW_TIMES},
             "changes": {"sim": sc_, "sim_decided": s.get("decided_changes"), "lab": mc,
                         "tolerance": tol,
                         "ok": None if sc_ is None or mc is None else abs(sc_ - mc) <= tol},
@@ -513,10 +533,12 @@ def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
 
 
 def _lab_medians(labs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:
-    out: dict[str, Any] = {"initial_converge_s": _med([x.get("initial_converge_s") for x in labs])}
+    out: dict[str, Any] = {k: _med([x.get(k) for x in labs]) for k in FIRST}
     for name, _, _ in _windows(sc, tl):
         rs = [x[name] for x in labs if name in x]
-        out[name] = {k: _med([r[k] for r in rs]) for k in ("outage_s", "converge_s", "hop_changes")}
+        out[name] = {
+            k: _med([r.get(k) for r in rs]) for k in ("outage_s", *WINDOW_TIMES, "hop_changes")
+        }
         out[name]["routes"] = rs[0]["routes"] if rs else None
     return out
 
@@ -543,26 +565,29 @@ def table(out: dict[str, Any]) -> str:
 
     lines = [
         "| topology | event | outage s sim / lab | ok | convergence s sim / lab | ok "
-        "| changes sim / lab (tol) | ok | final routes same | ok |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| within 5 %, s sim / lab | ok | changes sim / lab (tol) | ok | final routes same | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in out["topologies"]:
         c = t.get("compare")
         if c is None:
             continue
-        ini = c["initial_converge_s"]
+        ini, ini5 = c["initial_converge_s"], c["initial_converge_5pct_s"]
         lines.append(
             f"| {t['topology']} | first routes | | | {f(ini['sim'])} / {f(ini['lab'])} "
-            f"| {ok(ini['ok'])} | | | | |"
+            f"| {ok(ini['ok'])} | {f(ini5['sim'])} / {f(ini5['lab'])} | {ok(ini5['ok'])} "
+            "| | | | |"
         )
         for name in ("degradation", "relay_failure", "jitter"):
             r = c.get(name)
             if r is None:
                 continue
             o, v, ch, fr = r["outage_s"], r["converge_s"], r["changes"], r["final_routes_same"]
+            v5 = r["converge_5pct_s"]
             lines.append(
                 f"| {t['topology']} | {name} | {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
                 f"| {f(v['sim'])} / {f(v['lab'])} | {ok(v['ok'])} "
+                f"| {f(v5['sim'])} / {f(v5['lab'])} | {ok(v5['ok'])} "
                 f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {ok(ch['ok'])} "
                 f"| {f(fr['share'])} | {ok(fr['ok'])} |"
             )
