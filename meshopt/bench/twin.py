@@ -348,9 +348,18 @@ def lab_side(
         windows = _windows(sc, tl)
         bests: dict[str, Plan] = {}
         outages: dict[str, float | None] = {}
+        # When each event took effect (``lab set`` returned), from t0: the times are
+        # measured from there, as the simulator's from the event's own time. The relay
+        # failure is cut 0.5 s after its nominal time (the outage's ping starts first).
+        at: dict[str, float] = {}
+
+        def apply(name: str, text: str) -> None:
+            lab.set(text)
+            at[name] = time.monotonic() - t0
+
         if sc.degrade:
             until(tl.degrade_at)
-            lab.set(sc.degrade)
+            apply("degradation", sc.degrade)
             ev = parse_event(f"at=0s link={sc.degrade}")
             _apply_text(topo, ev)
             bests["degradation"] = plan(topo, Metric(), symmetric=True)
@@ -365,7 +374,11 @@ def lab_side(
             down.tunnels[:, i] = False
             bests["relay_failure"] = plan(down, Metric(), symmetric=True)
             outages["relay_failure"] = outage_time(
-                mesh, a, b, lambda: lab.set(f"node={sc.relay} down"), timeout=tl.restore_after - 2
+                mesh,
+                a,
+                b,
+                lambda: apply("relay_failure", f"node={sc.relay} down"),
+                timeout=tl.restore_after - 2,
             )
             progress(
                 f"{sc.topology}: {sc.relay} down, {a}->{b} back after {outages['relay_failure']}"
@@ -374,7 +387,7 @@ def lab_side(
             lab.set(f"node={sc.relay} up")
         until(tl.jitter_at)
         for j in sc.jitter:
-            lab.set(j)
+            apply("jitter", j)  # in effect once the last link's is
             _apply_text(topo, parse_event(f"at=0s link={j}"))
         bests["jitter"] = plan(topo, Metric(), symmetric=True)
         outages["jitter"] = 0.0
@@ -390,10 +403,12 @@ def lab_side(
             log, best_start, 0.0, first_end, policy, STRICT_REL
         )
         for name, start, end in windows:
+            began = at.get(name, start)
             out[name] = {
+                "event_at_s": began,
                 "outage_s": outages.get(name),
-                "converge_s": _converged(log, bests[name], start, end, policy, large),
-                "converge_5pct_s": _converged(log, bests[name], start, end, policy, STRICT_REL),
+                "converge_s": _converged(log, bests[name], began, end, policy, large),
+                "converge_5pct_s": _converged(log, bests[name], began, end, policy, STRICT_REL),
                 "hop_changes": _changes(log, start, end),
                 "routes": _at(log, end),
             }
