@@ -80,6 +80,23 @@ def test_one_controller_publishes_and_routes_are_measured(mesh: LiveMesh) -> Non
     assert rtts and min(rtts) < 45.0, sorted(rtts)
 
 
+def test_next_hops_read_over_uapi_are_what_wg_show_lists(mesh: LiveMesh) -> None:
+    """The benchmarks read AllowedIPs from wireguard-go's UAPI sockets (milliseconds for a
+    whole mesh); ``wg show`` in each node lists the same, relayed prefixes included."""
+    assert mesh.lab.state.wireguard == "userspace"
+    relay = mesh.path("n1", "n4")[1]
+    for node in NODES:
+        shown: dict[str, list[str]] = {}
+        for line in mesh.lab.run(node, ["wg", "show", "all", "allowed-ips"]).stdout.splitlines():
+            _, key, *prefixes = line.split()
+            shown[key] = sorted(p for p in prefixes if p != "(none)")
+        read = {k: sorted(v) for k, v in mesh.allowed_ips(node).items()}
+        assert read == shown, node
+    owner = {w.public_key: w.node for w in mesh.lab.state.wg}
+    n4 = f"{mesh.lab.overlay_ip('n4')}/32"
+    assert [owner[k] for k, v in mesh.allowed_ips("n1").items() if n4 in v] == [relay]
+
+
 def test_dead_agent_is_taken_out_of_the_graph(mesh: LiveMesh) -> None:
     relay = mesh.path("n1", "n4")[1]
     mesh.stop_agent(relay, kill=True)  # the will message tells the controller at once
