@@ -227,6 +227,11 @@ class Cadence:
         if now - self.last_full >= interval or set(reports) != set(self.last_published):
             return Plan(True, list(reports.values()), interval)
         keys = changed_peers(self.last_published, reports, cfg)
+        if keys and not self.warm():
+            # Until warm, every message is a full (retained) snapshot: the first one goes
+            # out before any sample, and a late reader (``meshopt routes``, a standby
+            # controller) would otherwise see that one for a whole full interval.
+            return Plan(True, list(reports.values()), interval)
         # The heartbeat: due half a check early, so a check landing just short of the
         # interval does not push it a whole check later.
         if keys or now - self.last_sent >= cfg.full_interval_s - cfg.check_interval_s / 2:

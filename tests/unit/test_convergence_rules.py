@@ -279,3 +279,27 @@ def test_an_agent_checks_fast_until_its_peers_were_told_warm() -> None:
     # The simulator asks for every agent at once.
     got = check_interval(np.array([True, False, False]), np.array([0.0, 0.0, 99.0]), cfg_t)
     assert got.tolist() == [cfg_t.check_interval_s, WARM_CHECK_S, cfg_t.check_interval_s]
+
+
+def test_until_warm_every_message_is_a_retained_snapshot() -> None:
+    """The first snapshot goes out before any sample; while the estimates warm up each
+    message is a full snapshot, so the retained one a late reader gets (``meshopt
+    routes``, a standby controller) carries the latest RTTs, not that first empty one."""
+    cfg_t = TelemetrySettings()
+    cadence = Cadence()
+    empty = {"a": PeerReport(public_key="a", ifname="wg0")}
+    first = cadence.plan(empty, 0.25, cfg_t)
+    assert first is not None and first.full
+    cadence.sent(first, 0.25)
+    one = {"a": PeerReport(public_key="a", ifname="wg0", rtt_ms=80.0, alive=True, samples=1)}
+    young = cadence.plan(one, 0.5, cfg_t)
+    assert young is not None and young.full and young.peers[0].rtt_ms == 80.0
+    cadence.sent(young, 0.5)
+    warm = {"a": msgspec.structs.replace(one["a"], samples=3)}
+    told = cadence.plan(warm, 1.0, cfg_t)
+    assert told is not None and told.full  # the message that makes it warm
+    cadence.sent(told, 1.0)
+    assert cadence.warm()
+    later = {"a": msgspec.structs.replace(one["a"], samples=6, rtt_ms=90.0)}
+    change = cadence.plan(later, 1.5, cfg_t)
+    assert change is not None and not change.full  # warm: change reports again
