@@ -83,9 +83,15 @@ is not this prober's, whose seq was never sent (or belongs to a removed target),
 repeats or that comes after ``timeout_s`` is dropped and counted (``wrong_nonce``,
 ``unknown_seq``, ``duplicate``, ``late``; a late reply still proves the peer alive).
 
-Two things are never held against a peer. Probes sent before it first answered waited
+Three things are never held against a peer. Probes sent before it first answered waited
 for WireGuard's first handshake (or its agent's start): their replies prove it alive
-but are no RTT sample (``early_reply``), and their loss is not counted. And time the
+but are no RTT sample (``early_reply``), and their loss is not counted. Probes sent
+while it was declared dead measured the outage, already told as its death: the same,
+and when it answers again the losses of the outage's onset (those since its last reply)
+leave the window too (:meth:`PeerWindow.forget_outage`), or a node back from 15 s cut
+off read 60 % loss, some 400 ms of loss penalty on every link it has, for the ~20 s its
+window took to slide past the outage (the routes through it chose among those
+inflated links at random). And time the
 prober itself did not run: a timer that fires more than ``STALL_TOLERANCE_S`` late (a
 stalled process or VM, whose tunnel stalled too) adds that lateness to every peer's
 silence budget and every pending probe's timeout (``stalls``).
@@ -298,8 +304,9 @@ class _Pending:
     send_ns: int
     sent_at: float  # monotonic
     expires_at: float  # sent_at + timeout_s, later by the time the prober was stalled
-    # Sent before the peer ever answered: it waited for WireGuard's handshake (or for the
-    # peer's agent), so its RTT measures that wait, and its loss is not the path's.
+    # Sent before the peer ever answered (it waited for WireGuard's handshake, or for the
+    # peer's agent) or while it was declared dead (an outage): its RTT measures that wait,
+    # and its loss is not the path's.
     early: bool = False
     # The monotonic time just before ``send_ns`` was read: the clock-step check measures
     # from here (a process preempted between the stamp and ``sent_at`` under load made
@@ -694,9 +701,9 @@ class Prober:
             del self._pending[seq]
             self._recent.add(seq, "expired", pending.peer)  # a late reply still proves life
             if pending.early:
-                # Sent before the peer first answered: its agent or tunnel was still
-                # coming up. Counting these as loss would make a new peer look lossy for
-                # a whole window.
+                # Sent before the peer first answered (its agent or tunnel was still
+                # coming up) or while it was dead. Counting these as loss would make a
+                # new or returning peer look lossy for a whole window.
                 continue
             pending.peer.window.add_loss(seq, now)
         retries = self._retries
@@ -765,7 +772,7 @@ class Prober:
             send_ns,
             sent_at,
             sent_at + self.config.timeout_s,
-            early=peer.alive is None and not peer.heard,
+            early=(peer.alive is None and not peer.heard) or peer.alive is False,
             stamped_at=stamped_at,
         )
         if not retry and peer.alive:
@@ -873,9 +880,9 @@ class Prober:
             self._bad("bad_turnaround", addr, f"turnaround {turnaround_ns} ns >= RTT")
             return
         if pending.early:
-            # Queued behind WireGuard's first handshake: proof of life, not an RTT (under
-            # load a handshake retried after 5 s flushed replies of 700 ms into the
-            # estimate of an 80 ms tunnel).
+            # Queued behind WireGuard's first handshake, or sent into an outage: proof of
+            # life, not an RTT (under load a handshake retried after 5 s flushed replies
+            # of 700 ms into the estimate of an 80 ms tunnel).
             self.counters["early_reply"] += 1
             return
         estimator = peer.window.estimator
@@ -898,7 +905,9 @@ class Prober:
         peer.unanswered = 0
         peer.first_unanswered = None
         if peer.alive is False:
-            peer.window.reset_smoothing()  # a path that comes back starts afresh
+            # A path that comes back starts afresh, without the outage's losses.
+            peer.window.forget_outage()
+            peer.window.reset_smoothing()
             peer.alive = True
             peer.dead_since = None
             self._notify(peer.target.name, True)

@@ -99,6 +99,21 @@ class PeerWindow:
         self.estimator.reset()
         self._stats = None
 
+    def forget_outage(self) -> int:
+        """Drop the losses recorded since the last reply (a peer back from being dead:
+        they were the outage, told as its death, not the path's loss); how many."""
+        outcomes = self._outcomes
+        dropped = 0
+        while outcomes:
+            last = next(reversed(outcomes))
+            if outcomes[last] is not None:
+                break
+            del outcomes[last]
+            dropped += 1
+        if dropped:
+            self._stats = None
+        return dropped
+
     def add_sent(self, seq: int, now: float) -> None:
         self.sent += 1
 

@@ -554,6 +554,15 @@ class _Agents:
             self.lost_bits = np.where(probed, lo, self.lost_bits)
         np.copyto(self.last_reply, reply_at, where=got)
 
+    def forget_outage(self, back: BoolArray) -> None:
+        """Links answering again after being dead drop the losses since their last reply
+        (the prober's ``PeerWindow.forget_outage``): the trailing run of lost bits."""
+        lost = self.lost_bits[back]
+        one = np.uint64(1)
+        run = np.bitwise_count((lost ^ (lost + one)) >> one).astype(np.uint64)
+        self.lost_bits[back] = lost >> run
+        self.got_bits[back] = self.got_bits[back] >> run
+
 
 @dataclass
 class _Handshakes:
@@ -745,6 +754,16 @@ def simulate(
             if early is not None:  # proof of life, no RTT sample (the prober's early_reply)
                 np.copyto(agents.last_reply, reply_at, where=got & early)
                 probed, got = probed & ~early, got & ~early
+            # Probes to a dead peer measure the outage, not the path (the prober's early
+            # replies again): no loss, no RTT; an answer brings the peer back with the
+            # outage's losses forgotten and its estimate started afresh.
+            back = got & dead
+            if dead.any():
+                probed, got, every = probed & ~dead, got & ~dead, False
+            if back.any():
+                np.copyto(agents.last_reply, reply_at, where=back)
+                agents.forget_outage(back)
+                est.restart(back)
             est.update(sample, lost, None if every else probed)
             agents.probe(None if every else probed, got, reply_at)
             # A lost probe to a live peer is sent again once (the prober's retry_after):
@@ -770,9 +789,9 @@ def simulate(
                 rows = np.unique([i for i, _ in est.stepped])
                 soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
                 agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
-            if (got & dead).any():  # a dead peer answered: alive again at once
-                flips.append(np.flatnonzero((got & dead).ravel()))
-                dead = dead & ~got
+            if back.any():  # a dead peer answered: alive again at once
+                flips.append(np.flatnonzero(back.ravel()))
+                dead = dead & ~back
             # Only a link that did not answer this round can be declared dead before the
             # next one (dead_after_s exceeds the probe interval): its timer is watched.
             waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())

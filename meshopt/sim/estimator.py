@@ -102,6 +102,11 @@ class LinkEstimator:
         # The warm-up's samples, only where they are checked (estimate.warm_up_restart).
         self.warm = np.zeros((n, n, self.robust.warmup if self._checks_warm_up else 0))
 
+    def restart(self, links: BoolArray) -> None:
+        """Links that came back after being dead start from their next sample (the
+        prober's ``reset_smoothing``)."""
+        self.srtt = np.where(links, np.nan, self.srtt)
+
     def update(self, sample: FloatArray, lost: BoolArray, probed: BoolArray | None = None) -> None:
         """One probe round: ``sample`` RTTs (ignored where ``lost``); ``probed``: only
         those links sent a probe (an agent not started yet sends none), the rest stay."""

@@ -708,3 +708,33 @@ def test_two_lost_probes_in_a_row_are_sent_again_and_kill_no_peer(harness: Harne
     assert harness.prober.counters["retries"] == 2
     retried = [t for t in harness.sends("p") if any(abs(t - x - RETRY_MIN_S) < 1e-6 for x in lost)]
     assert len(retried) == 2
+
+
+def test_a_peer_back_from_an_outage_has_neither_its_losses_nor_its_queued_replies(
+    harness: Harness,
+) -> None:
+    """Cut off for 15 s (a node down in the lab), the peer is declared dead; probes sent
+    meanwhile are the outage, not the path. Before, its window read 60 % loss when it
+    came back (400 ms of loss penalty for ~20 s), and a probe sent into the outage and
+    answered late was an RTT sample."""
+    harness.answer = lambda name, now: not 1002.0 <= now < 1017.0
+    # The last probe sent into the outage is answered when it ends, 0.5 s late.
+    harness.rtt_ms = lambda name, now: 500.0 if 1016.5 <= now < 1017.0 else 10.0
+    harness.peers("p")
+    harness.prober.set_rates({"p": FAST})
+    harness.run(2.0)
+    before = harness.prober.stats("p")
+    assert before is not None and before.loss == 0.0
+    harness.run(14.6)  # to 1016.6: dead since ~1002.8
+    assert [a for _, a, _ in harness.events] == [False]
+    harness.run(0.9)  # the late reply brings it back
+    assert [a for _, a, _ in harness.events] == [False, True]
+    assert harness.events[1][2] == pytest.approx(1017.0, abs=0.35)
+    after = harness.prober.stats("p")
+    assert after is not None
+    assert after.loss == 0.0  # nor the onset's losses, nor the outage's
+    assert after.srtt_ms is not None and after.srtt_ms < 20.0  # the 500 ms reply is none
+    assert harness.prober.counters["early_reply"] >= 1
+    harness.run(5.0)
+    later = harness.prober.stats("p")
+    assert later is not None and later.loss == 0.0 and later.srtt_ms == pytest.approx(10.0)

@@ -104,6 +104,22 @@ def test_reset_smoothing_restarts_from_the_next_sample() -> None:
     assert s.samples == 3  # the window keeps its samples
 
 
+def test_forget_outage_drops_the_losses_since_the_last_reply_only() -> None:
+    w = PeerWindow(16)
+    for seq in range(6):
+        w.add_sent(seq, seq * 0.33)
+    w.add_reply(0, 10.0, 0.1)
+    w.add_loss(1, 1.4)  # a loss before a reply: the path's
+    w.add_reply(2, 10.0, 0.7)
+    for seq in (3, 4, 5):  # the outage's onset
+        w.add_loss(seq, 2.0 + seq)
+    assert w.stats().loss == pytest.approx(4 / 6)
+    assert w.forget_outage() == 3
+    s = w.stats()
+    assert s.loss == pytest.approx(1 / 3) and s.samples == 2
+    assert w.forget_outage() == 0 and w.stats() == s
+
+
 def test_quantile_is_linear_between_ranks() -> None:
     assert quantile([1.0], 0.95) == 1.0
     assert quantile([1.0, 2.0], 0.5) == 1.5
