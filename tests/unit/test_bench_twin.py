@@ -6,7 +6,15 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from meshopt.bench.twin import Scenario, Timeline, compare, same_routes, scenario, sim_side
+from meshopt.bench.twin import (
+    Scenario,
+    Timeline,
+    compare,
+    mode_routes,
+    same_routes,
+    scenario,
+    sim_side,
+)
 
 SHORT = Timeline(degrade_at=20.0, fail_at=30.0, restore_after=10.0, jitter_at=45.0, jitter_s=15.0)
 
@@ -64,3 +72,13 @@ def test_same_routes_counts_ordered_pairs() -> None:
     b = {"x": {"y": "y", "z": "z"}, "y": {"x": "x"}}
     assert same_routes(a, b) == 2 / 3
     assert same_routes(a, None) is None
+
+
+def test_final_routes_are_each_pairs_most_common_next_hop_over_runs() -> None:
+    one = {"x": {"y": "y", "z": "y"}, "y": {"x": "x"}}
+    two = {"x": {"y": "z", "z": "z"}, "y": {"x": "x"}}
+    three = {"x": {"y": "z", "z": "y"}, "y": {"x": "x", "z": "z"}}
+    assert mode_routes([one, two, three]) == {"x": {"y": "z", "z": "y"}, "y": {"x": "x", "z": "z"}}
+    assert mode_routes([two, one]) == two  # a tie: the earlier run's
+    assert mode_routes([None, one]) == one
+    assert mode_routes([None]) is None
