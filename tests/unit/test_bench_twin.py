@@ -10,6 +10,7 @@ from meshopt.bench.twin import (
     Scenario,
     Timeline,
     compare,
+    exact_ties,
     mode_routes,
     same_routes,
     scenario,
@@ -82,3 +83,21 @@ def test_final_routes_are_each_pairs_most_common_next_hop_over_runs() -> None:
     assert mode_routes([two, one]) == two  # a tie: the earlier run's
     assert mode_routes([None, one]) == one
     assert mode_routes([None]) is None
+
+
+def test_exact_ties_are_differing_next_hops_over_paths_of_equal_rtt() -> None:
+    from meshopt.topology.model import LinkProps, Node, Topology
+
+    # x-y 40 ms one way; via a or via b 10 + 10 each way; via c 10 + 12.
+    links = {("x", "a"): 10.0, ("a", "y"): 10.0, ("x", "b"): 10.0, ("b", "y"): 10.0}
+    links |= {("x", "c"): 10.0, ("c", "y"): 12.0}
+    props = {k: LinkProps(delay_ms=v) for k, v in links.items()}
+    props |= {(b, a): p for (a, b), p in list(props.items())}
+    topo = Topology.from_links("t", [Node(n) for n in "xyabc"], LinkProps(40.0), props)
+    via_a = {"x": {"y": "a"}, "a": {"y": "y"}}
+    via_b = {"x": {"y": "b"}, "b": {"y": "y"}}
+    via_c = {"x": {"y": "c"}, "c": {"y": "y"}}
+    assert exact_ties(topo, via_a, via_b) == ["x->y 40=40 ms"]
+    assert exact_ties(topo, via_a, via_c) == []  # 40 against 44 ms: a real difference
+    assert exact_ties(topo, via_a, {"x": {"y": "y"}}) == []  # 40 against the 80 ms tunnel
+    assert exact_ties(topo, via_a, None) == []
