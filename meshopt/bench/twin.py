@@ -7,7 +7,8 @@ simulator's time 0):
 * ``degrade_at``: a directly routed link gets five times its one-way delay, chosen so a
   relay then wins (:func:`meshopt.demo.pick_degradation`);
 * ``fail_at``: the node relaying the most optimal paths (with the degradation, which
-  stays) goes down (``node=R down``), and comes back ``restore_after`` later;
+  stays) goes down (``node=R down``), and comes back ``restore_after`` later (its own
+  window, ``relay_restore``: the routes moving back through it);
 * ``jitter_at``: every link's delay jitters with a standard deviation of 11.5 % of its
   delay (the convergence benchmark's +/- 20 %) until the end (``jitter_s``).
 
@@ -135,7 +136,9 @@ def _windows(sc: Scenario, tl: Timeline) -> list[tuple[str, float, float]]:
     if sc.degrade:
         out.append(("degradation", tl.degrade_at, tl.fail_at if sc.relay else tl.jitter_at))
     if sc.relay:
-        out.append(("relay_failure", tl.fail_at, tl.fail_at + tl.restore_after))
+        back = tl.fail_at + tl.restore_after
+        out.append(("relay_failure", tl.fail_at, back))
+        out.append(("relay_restore", back, tl.jitter_at))
     out.append(("jitter", tl.jitter_at, tl.end))
     return out
 
@@ -197,6 +200,7 @@ def _end(tl: Timeline, name: str) -> float:
     return {
         "degradation": tl.fail_at,
         "relay_failure": tl.fail_at + tl.restore_after,
+        "relay_restore": tl.jitter_at,
         "jitter": tl.end,
     }[name]
 
@@ -406,7 +410,9 @@ def lab_side(
                 f"{sc.topology}: {sc.relay} down, {a}->{b} back after {outages['relay_failure']}"
             )
             until(tl.fail_at + tl.restore_after)
-            lab.set(f"node={sc.relay} up")
+            apply("relay_restore", f"node={sc.relay} up")
+            bests["relay_restore"] = plan(topo, Metric(), symmetric=True)
+            outages["relay_restore"] = 0.0
         until(tl.jitter_at)
         for j in sc.jitter:
             apply("jitter", j)  # in effect once the last link's is
@@ -673,7 +679,7 @@ def table(out: dict[str, Any]) -> str:
             f"| {ok(ini['ok'])} | {f(ini5['sim'])} / {f(ini5['lab'])} | {ok(ini5['ok'])} "
             "| | | | |"
         )
-        for name in ("degradation", "relay_failure", "jitter"):
+        for name in ("degradation", "relay_failure", "relay_restore", "jitter"):
             r = c.get(name)
             if r is None:
                 continue

@@ -905,9 +905,12 @@ class Prober:
         peer.unanswered = 0
         peer.first_unanswered = None
         if peer.alive is False:
-            # A path that comes back starts afresh, without the outage's losses.
+            # A path that comes back is presumed the one it was: its estimate stays (a
+            # changed one is a step, confirmed in ~3 samples) and the outage's losses
+            # go. Started afresh, it had no RTT until the next reply, and the controller
+            # priced the link as unknown (1 s) meanwhile: the returning node's routes
+            # went via whichever of its links answered first, and back 0.5 s later.
             peer.window.forget_outage()
-            peer.window.reset_smoothing()
             peer.alive = True
             peer.dead_since = None
             self._notify(peer.target.name, True)

@@ -94,11 +94,6 @@ class PeerWindow:
         # peer's each second; a slowly probed peer has a new outcome every few).
         self._stats: ProbeStats | None = None
 
-    def reset_smoothing(self) -> None:
-        """Start the smoothed figures afresh (a peer that comes back after being dead)."""
-        self.estimator.reset()
-        self._stats = None
-
     def forget_outage(self) -> int:
         """Drop the losses recorded since the last reply (a peer back from being dead:
         they were the outage, told as its death, not the path's loss); how many."""

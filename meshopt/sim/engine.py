@@ -756,14 +756,14 @@ def simulate(
                 probed, got = probed & ~early, got & ~early
             # Probes to a dead peer measure the outage, not the path (the prober's early
             # replies again): no loss, no RTT; an answer brings the peer back with the
-            # outage's losses forgotten and its estimate started afresh.
+            # outage's losses forgotten and its estimate as it was.
             back = got & dead
             if dead.any():
                 probed, got, every = probed & ~dead, got & ~dead, False
             if back.any():
                 np.copyto(agents.last_reply, reply_at, where=back)
                 agents.forget_outage(back)
-                est.restart(back)
+                est.revive(back)
             est.update(sample, lost, None if every else probed)
             agents.probe(None if every else probed, got, reply_at)
             # A lost probe to a live peer is sent again once (the prober's retry_after):

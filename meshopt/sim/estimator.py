@@ -102,10 +102,10 @@ class LinkEstimator:
         # The warm-up's samples, only where they are checked (estimate.warm_up_restart).
         self.warm = np.zeros((n, n, self.robust.warmup if self._checks_warm_up else 0))
 
-    def restart(self, links: BoolArray) -> None:
-        """Links that came back after being dead start from their next sample (the
-        prober's ``reset_smoothing``)."""
-        self.srtt = np.where(links, np.nan, self.srtt)
+    def revive(self, links: BoolArray) -> None:
+        """Links that came back after being dead keep their estimate (the prober's):
+        their next sample continues it, its misses while dead forgotten."""
+        self.misses = np.where(links, 0, self.misses).astype(np.int32)
 
     def update(self, sample: FloatArray, lost: BoolArray, probed: BoolArray | None = None) -> None:
         """One probe round: ``sample`` RTTs (ignored where ``lost``); ``probed``: only

@@ -95,15 +95,6 @@ def test_srtt_std_and_noise_match_the_simulators_estimator() -> None:
     assert s.noise_ms == pytest.approx(s.rtt_std_ms * (a / (2 - a)) ** 0.5, rel=1e-6)
 
 
-def test_reset_smoothing_restarts_from_the_next_sample() -> None:
-    w = fed([10.0, 30.0])
-    w.reset_smoothing()
-    w.add_reply(5, 100.0, 9.0)
-    s = w.stats()
-    assert s.srtt_ms == 100.0 and s.jitter_ms == 0.0 and s.noise_ms == 0.0
-    assert s.samples == 3  # the window keeps its samples
-
-
 def test_forget_outage_drops_the_losses_since_the_last_reply_only() -> None:
     w = PeerWindow(16)
     for seq in range(6):
@@ -153,8 +144,8 @@ def test_stats_asked_again_are_the_same_until_an_outcome_and_follow_every_send()
             cached.add_loss(seq, seq * 0.33 + 1)
             fresh.add_loss(seq, seq * 0.33 + 1)
         elif step < 0.82:
-            cached.reset_smoothing()
-            fresh.reset_smoothing()
+            cached.forget_outage()
+            fresh.forget_outage()
         # What it would compute now, asked of a window that never answered from memory.
         assert cached.stats() == fresh._compute()
         assert cached.stats() is cached.stats()
