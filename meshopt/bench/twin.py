@@ -352,7 +352,7 @@ def lab_side(
     """One lab run of the scenario's timeline (root; minutes). ``keep``: keep the lab's
     logs and every next-hop reading there, one directory per run."""
     from meshopt.bench.cpuload import lag_window
-    from meshopt.lab.agents import BootWatch, agent_logs, keep_logs
+    from meshopt.lab.agents import BootWatch, agent_logs, agent_stalls, keep_logs
     from meshopt.lab.lab import Lab
     from meshopt.lab.measure import outage_time
     from meshopt.lab.mesh import LiveMesh
@@ -373,6 +373,7 @@ def lab_side(
         started = time.monotonic() - t0
         t0 = time.monotonic()
         watch.t0 = t0
+        wall0 = time.time() - (time.monotonic() - t0)
         reader = _Reader(mesh, t0)
         reader.start()
         topo = sc.topo.copy()
@@ -450,6 +451,19 @@ def lab_side(
                 "hop_changes": _changes(log, start, end),
                 "routes": _at(log, end),
             }
+        # When the agents' probers logged a stall (woke at w, late by `late`), from t0.
+        stalls = [(n, w - wall0, late) for n, w, late in agent_stalls(logs)]
+        out["stalls"] = [
+            {"node": n, "at_s": round(at, 3), "late_s": late} for n, at, late in stalls
+        ]
+        spans = [(0.0, first_end, FIRST)] + [(lo, hi, (name,)) for name, lo, hi in windows]
+        for start, end, names in spans:
+            hit = [n for n, at, late in stalls if at > start and at - late < end]
+            for name in names:
+                if name in FIRST:
+                    out.setdefault("disturbed", {})[name] = bool(hit)
+                else:
+                    out[name]["disturbed"] = bool(hit)
         out["slowest_reading_s"] = reader.slowest
         watch.join(timeout=1)
         ups = sorted(watch.up.values())
@@ -566,6 +580,7 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
         k: {"sim": sim.get(k), "lab": lab.get(k), "ok": _time_ok(sim.get(k), lab.get(k))}
         for k in FIRST
     }
+    rows["left_out"] = lab.get("left_out", 0)
     for name, _, _ in _windows(sc, tl):
         s, m = sim.get(name, {}), lab.get(name, {})
         share = same_routes(s.get("routes"), m.get("routes"))
@@ -582,6 +597,7 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
             "changes": {"sim": sc_, "sim_decided": s.get("decided_changes"), "lab": mc,
                         "tolerance": tol,
                         "ok": None if sc_ is None or mc is None else abs(sc_ - mc) <= tol},
+            "left_out": m.get("left_out", 0),
             "final_routes_same": {"share": share, "ok": None if share is None else share >= 0.95,
                                   "differ": diff, "exact_ties": ties,
                                   "share_but_ties": None if share is None
@@ -639,14 +655,29 @@ def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
     return statistics.median(u["first"] for u in ups), statistics.median(u["last"] for u in ups)
 
 
+def _calm(runs: list[Any], disturbed: list[bool]) -> tuple[list[Any], int]:
+    """The runs whose window no agent stall touched, if any is left (else all of them),
+    and how many were left out."""
+    calm = [r for r, d in zip(runs, disturbed, strict=True) if not d]
+    return (calm, len(runs) - len(calm)) if calm else (runs, 0)
+
+
 def _lab_medians(labs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:
-    out: dict[str, Any] = {k: _med([x.get(k) for x in labs]) for k in FIRST}
+    """Medians over the lab runs; a window in which the agents' probers logged a stall
+    (the machine did not run them for 0.5 s or more: the lab failing to keep time, which
+    fails over routes in the lab and never in the simulator) is left out while another
+    run has the window calm (``left_out`` says how many)."""
+    first, skipped = _calm(labs, [bool(x.get("disturbed", {}).get(FIRST[0])) for x in labs])
+    out: dict[str, Any] = {k: _med([x.get(k) for x in first]) for k in FIRST}
+    out["left_out"] = skipped
     for name, _, _ in _windows(sc, tl):
-        rs = [x[name] for x in labs if name in x]
+        every = [x[name] for x in labs if name in x]
+        rs, skipped = _calm(every, [bool(r.get("disturbed")) for r in every])
         out[name] = {
             k: _med([r.get(k) for r in rs]) for k in ("outage_s", *WINDOW_TIMES, "hop_changes")
         }
         out[name]["routes"] = mode_routes([r.get("routes") for r in rs])
+        out[name]["left_out"] = skipped
     return out
 
 
@@ -670,6 +701,9 @@ def table(out: dict[str, Any]) -> str:
     def ok(x: Any) -> str:
         return {True: "yes", False: "**no**", None: "-"}[x]
 
+    def out_(n: Any) -> str:
+        return f" ({n} lab run{'s' if n > 1 else ''} left out: agents stalled)" if n else ""
+
     def ties(fr: dict[str, Any]) -> str:
         n = len(fr.get("exact_ties") or [])
         return f" ({f(fr['share_but_ties'])} but {n} exact ties)" if n else ""
@@ -685,7 +719,8 @@ def table(out: dict[str, Any]) -> str:
             continue
         ini, ini5 = c["initial_converge_s"], c["initial_converge_5pct_s"]
         lines.append(
-            f"| {t['topology']} | first routes | | | {f(ini['sim'])} / {f(ini['lab'])} "
+            f"| {t['topology']}{out_(c.get('left_out'))} | first routes | | "
+            f"| {f(ini['sim'])} / {f(ini['lab'])} "
             f"| {ok(ini['ok'])} | {f(ini5['sim'])} / {f(ini5['lab'])} | {ok(ini5['ok'])} "
             "| | | | |"
         )
@@ -696,7 +731,8 @@ def table(out: dict[str, Any]) -> str:
             o, v, ch, fr = r["outage_s"], r["converge_s"], r["changes"], r["final_routes_same"]
             v5 = r["converge_5pct_s"]
             lines.append(
-                f"| {t['topology']} | {name} | {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
+                f"| {t['topology']} | {name}{out_(r.get('left_out'))} "
+                f"| {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
                 f"| {f(v['sim'])} / {f(v['lab'])} | {ok(v['ok'])} "
                 f"| {f(v5['sim'])} / {f(v5['lab'])} | {ok(v5['ok'])} "
                 f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {ok(ch['ok'])} "

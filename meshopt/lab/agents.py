@@ -8,6 +8,7 @@ ordinary processes in the node's namespace: tagged, ended by ``lab down`` if sti
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +249,30 @@ class BootWatch(threading.Thread):
                 if " up: interfaces " in text:
                     self.up[node] = time.monotonic() - self.t0
             time.sleep(0.1)
+
+
+_STALL = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ prober: woke ([\d.]+) s late"
+)
+
+
+def agent_stalls(logs: Mapping[str, Path]) -> list[tuple[str, float, float]]:
+    """(node, wall-clock time it woke, seconds it was late) for every stall an agent's
+    prober logged (at least 0.5 s: its whole process did not run, a busy or paused
+    machine). A benchmark reads them as the lab failing to keep time, not as routing."""
+    out = []
+    for node, path in logs.items():
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            m = _STALL.match(line)
+            if m is None:
+                continue
+            stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")  # local time
+            out.append((node, stamp.timestamp() + int(m.group(2)) / 1000, float(m.group(3))))
+    return sorted(out, key=lambda x: x[1])
 
 
 def agent_logs(lab: Lab, nodes: Sequence[str]) -> dict[str, Path]:

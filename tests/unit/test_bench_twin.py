@@ -4,11 +4,15 @@ minutes: scripts/bench_twin.py)."""
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from meshopt.bench.twin import (
     Scenario,
     Timeline,
+    _lab_medians,
     compare,
     exact_ties,
     mode_routes,
@@ -16,6 +20,7 @@ from meshopt.bench.twin import (
     scenario,
     sim_side,
 )
+from meshopt.lab.agents import agent_stalls
 
 SHORT = Timeline(degrade_at=20.0, fail_at=30.0, restore_after=10.0, jitter_at=45.0, jitter_s=15.0)
 
@@ -105,3 +110,34 @@ def test_exact_ties_are_differing_next_hops_over_paths_of_equal_rtt() -> None:
     assert exact_ties(topo, via_a, via_c) == []  # 40 against 44 ms: a real difference
     assert exact_ties(topo, via_a, {"x": {"y": "y"}}) == []  # 40 against the 80 ms tunnel
     assert exact_ties(topo, via_a, None) == []
+
+
+def test_agent_stalls_are_read_from_the_agents_logs(tmp_path: Path) -> None:
+    from datetime import datetime
+
+    log = tmp_path / "a.log"
+    log.write_text(
+        "2026-11-28 09:04:31,114 meshopt.agent INFO peer F6gxdOh1 DEAD (120 replies so far)\n"
+        "2026-11-28 09:04:32,145 meshopt.probe INFO prober: woke 1.51 s late (stalled); "
+        "that silence is not the peers'\n"
+    )
+    ((node, at, late),) = agent_stalls({"a": log, "b": tmp_path / "missing.log"})
+    assert node == "a" and late == 1.51
+    assert at == datetime(2026, 11, 28, 9, 4, 32, 145000).timestamp()
+
+
+def test_lab_windows_an_agent_stall_touched_are_left_out_while_calm_runs_remain() -> None:
+    sc = scenario("topologies/demo.yaml")
+
+    def run(converge: float, disturbed: bool) -> dict[str, Any]:
+        w = {"outage_s": 0.0, "converge_s": converge, "converge_5pct_s": converge,
+             "hop_changes": 2, "routes": None, "disturbed": disturbed}  # fmt: skip
+        names = ("degradation", "relay_failure", "relay_restore", "jitter")
+        return {"initial_converge_s": 3.0, "initial_converge_5pct_s": 3.0,
+                **{n: dict(w) for n in names}}  # fmt: skip
+
+    med = _lab_medians([run(1.0, False), run(9.0, True), run(1.2, False)], sc, SHORT)
+    assert med["degradation"]["converge_s"] == pytest.approx(1.1)
+    assert med["degradation"]["left_out"] == 1
+    every = _lab_medians([run(1.0, True), run(9.0, True), run(1.2, True)], sc, SHORT)
+    assert every["degradation"]["converge_s"] == 1.2 and every["degradation"]["left_out"] == 0
