@@ -39,7 +39,7 @@ from typing import Any
 
 from meshopt.analysis import Plan, plan
 from meshopt.demo import pick_degradation, with_delay
-from meshopt.metric import Metric
+from meshopt.metric import FloatArray, Metric
 from meshopt.policy import PolicyConfig
 from meshopt.sim.engine import SimConfig, simulate
 from meshopt.sim.events import Event, parse_event
@@ -185,34 +185,22 @@ def sim_side(
             "initial_converge_s": rep.initial_converge_s,
             "initial_converge_5pct_s": strict.initial_converge_s,
         }
-        for name, start, _ in _windows(sc, tl):
-            # The window's first event (the jitter period is one event per link).
-            ev = next(e for e in rep.events if abs(e.at_s - start) < 1e-6)
-            last = [e for e in rep.events if abs(e.at_s - start) < 1e-6][-1]
+        for name, start, end in _windows(sc, tl):
+            # The window's events (the jitter period is one event per link): the first
+            # has the outage, the last the convergence.
+            at = [e for e in rep.events if abs(e.at_s - start) < 1e-6]
             last5 = [e for e in strict.events if abs(e.at_s - start) < 1e-6][-1]
+            inside = [e for e in rep.events if start - 1e-6 <= e.at_s < end]
             one[name] = {
-                "outage_s": ev.outage_s if ev.broken_pairs else 0.0,
-                "converge_s": last.converge_s,
+                "outage_s": at[0].outage_s if at[0].broken_pairs else 0.0,
+                "converge_s": at[-1].converge_s,
                 "converge_5pct_s": last5.converge_s,
-                "decided_changes": sum(
-                    e.route_changes for e in rep.events if start - 1e-6 <= e.at_s < _end(tl, name)
-                ),
-                "hop_changes": sum(
-                    e.hop_changes for e in rep.events if start - 1e-6 <= e.at_s < _end(tl, name)
-                ),
-                "routes": _window_routes(rep.events, _end(tl, name)),
+                "decided_changes": sum(e.route_changes for e in inside),
+                "hop_changes": sum(e.hop_changes for e in inside),
+                "routes": _window_routes(rep.events, end),
             }
         runs.append(one)
     return {"runs": runs, **_medians(runs, sc, tl)}
-
-
-def _end(tl: Timeline, name: str) -> float:
-    return {
-        "degradation": tl.fail_at,
-        "relay_failure": tl.fail_at + tl.restore_after,
-        "relay_restore": tl.jitter_at,
-        "jitter": tl.end,
-    }[name]
 
 
 def _window_routes(events: list[Any], end: float) -> dict[str, dict[str, str]] | None:
@@ -405,10 +393,7 @@ def lab_side(
         if sc.relay and sc.relay_pair:
             until(tl.fail_at)
             a, b = sc.relay_pair
-            down = topo.copy()
-            i = down.index(sc.relay)
-            down.tunnels[i, :] = False
-            down.tunnels[:, i] = False
+            down = window_topology(sc, tl, "relay_failure")
             bests["relay_failure"] = plan(down, Metric(), symmetric=True)
             outages["relay_failure"] = outage_time(
                 mesh,
@@ -456,14 +441,13 @@ def lab_side(
         out["stalls"] = [
             {"node": n, "at_s": round(at, 3), "late_s": late} for n, at, late in stalls
         ]
-        spans = [(0.0, first_end, FIRST)] + [(lo, hi, (name,)) for name, lo, hi in windows]
-        for start, end, names in spans:
-            hit = [n for n, at, late in stalls if at > start and at - late < end]
-            for name in names:
-                if name in FIRST:
-                    out.setdefault("disturbed", {})[name] = bool(hit)
-                else:
-                    out[name]["disturbed"] = bool(hit)
+
+        def touched(lo: float, hi: float) -> bool:
+            return any(lo < at and at - late < hi for _, at, late in stalls)
+
+        out["disturbed"] = touched(0.0, first_end)  # the first routes' window
+        for name, lo, hi in windows:
+            out[name]["disturbed"] = touched(lo, hi)
         out["slowest_reading_s"] = reader.slowest
         watch.join(timeout=1)
         ups = sorted(watch.up.values())
@@ -522,10 +506,15 @@ def _diff(a: dict[str, dict[str, str]] | None, b: dict[str, dict[str, str]] | No
 TIE_MS = 0.1
 
 
-def _walk_rtt(topo: Topology, routes: dict[str, dict[str, str]], src: str, dst: str) -> float:
-    """RTT (ms) of the path ``routes`` walk from src to dst over ``topo``; inf on a gap
-    or a loop."""
-    rtt = topo.rtt_ms()
+def _walk_rtt(
+    topo: Topology,
+    rtt: FloatArray,
+    routes: dict[str, dict[str, str]],
+    src: str,
+    dst: str,
+) -> float:
+    """RTT (ms) of the path ``routes`` walk from src to dst over ``topo`` (``rtt``: its
+    ``rtt_ms()``); inf on a gap, a loop or a link that is down."""
     total, at, seen = 0.0, src, {src}
     while at != dst:
         hop = routes.get(at, {}).get(dst)
@@ -557,11 +546,12 @@ def exact_ties(
     if a is None or b is None:
         return []
     out = []
+    rtt = topo.rtt_ms()
     for s in sorted(a):
         for d in sorted(a[s]):
             if a[s][d] == b.get(s, {}).get(d):
                 continue
-            ra, rb = _walk_rtt(topo, a, s, d), _walk_rtt(topo, b, s, d)
+            ra, rb = _walk_rtt(topo, rtt, a, s, d), _walk_rtt(topo, rtt, b, s, d)
             if math.isfinite(ra) and abs(ra - rb) <= TIE_MS:
                 out.append(f"{s}->{d} {ra:g}={rb:g} ms")
     return out
@@ -667,7 +657,7 @@ def _lab_medians(labs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict
     (the machine did not run them for 0.5 s or more: the lab failing to keep time, which
     fails over routes in the lab and never in the simulator) is left out while another
     run has the window calm (``left_out`` says how many)."""
-    first, skipped = _calm(labs, [bool(x.get("disturbed", {}).get(FIRST[0])) for x in labs])
+    first, skipped = _calm(labs, [bool(x.get("disturbed")) for x in labs])
     out: dict[str, Any] = {k: _med([x.get(k) for x in first]) for k in FIRST}
     out["left_out"] = skipped
     for name, _, _ in _windows(sc, tl):
