@@ -173,7 +173,14 @@ def n1(lab_ok: None) -> Iterator[Unprivileged]:
         for name, value in HOST_SYSCTLS.items():
             lab.run("n1", ["sysctl", "-q", "-w", f"{name}={value}"], check=True)
         agent = start_unprivileged(mesh, home)
-        relayed = wait_until(lambda: len(mesh.path("n1", "n4")) == 3, 60)
+        # Both halves of the agent's apply: AllowedIPs go first when it gains a relay and
+        # its routes a moment after, so the relayed path alone can be read before the
+        # route is in the table (CI: the tests below found the table still empty).
+        n4 = lab.overlay_ip("n4")
+        relayed = wait_until(
+            lambda: len(mesh.path("n1", "n4")) == 3 and mesh.installed("n1").get(n4) == "wg0",
+            60,
+        )
         assert relayed is not None, f"n1->n4 never relayed:\n{mesh.logs()}"
         yield agent
     finally:
