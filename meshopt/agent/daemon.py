@@ -542,10 +542,11 @@ class Agent:
 
     def _heard(self, source: IPAddress) -> None:
         """A peer's probe reached our responder: its tunnel has a session, so a first
-        probe we held (meshopt.agent.peers.first_probe_delay) can go now."""
+        probe we held (meshopt.agent.peers.first_probe_delay) can go now, and a peer we
+        hold dead is back: probed now, its routes return with the node's other links."""
         key = heard_from(self._by_probe_address, source)
         if key is not None and self.prober.release(key):
-            log.debug("peer %s heard from first: probing it now", key[:8])
+            log.debug("peer %s heard from: probing it now", key[:8])
 
     def _allowed_ips_drift(self) -> bool:
         plan = self._plan()

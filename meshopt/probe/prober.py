@@ -158,6 +158,13 @@ GRID_S = 0.05  # slower peers' sends land on this grid: a few wake-ups carry man
 # of the peer's interval early): one wake-up carries the sends that fall close together
 # instead of one each. Early only, never late: no dead time moves.
 COALESCE_S = 0.015
+# A path that comes back is probed at once where there is a sign of it, instead of at
+# the next scheduled probe (up to an idle interval, 2 s, away): a dead peer whose probe
+# reaches our responder, and, when one dead peer answers again, every other dead one
+# (a node cut off comes back on all its links at once). At most one such sweep per
+# REVIVE_SWEEP_S, and a dead peer is probed early at most once per REVIVE_GAP_S.
+REVIVE_SWEEP_S = 1.0
+REVIVE_GAP_S = 0.08
 _SEQ_MOD = 2**32
 
 
@@ -378,6 +385,7 @@ class Prober:
         self._timer: asyncio.TimerHandle | None = None
         self._wake_at: float | None = None  # when the armed timer is due
         self._logged: set[str] = set()
+        self._swept_at: float | None = None  # the last sweep of the dead peers
         self.coalesce_s = COALESCE_S  # 0: every send in a tick of its own (tests)
 
     # -- life cycle ------------------------------------------------------------------
@@ -461,21 +469,35 @@ class Prober:
             self._arm(now)
 
     def release(self, name: str, now: float | None = None) -> bool:
-        """Probe ``name`` now if its first probe is still held (``Target.first_after_s``):
-        the peer was heard from, so the tunnel has a session and a probe starts no
-        handshake. True if a held probe was released."""
+        """``name``'s probe reached our responder: probe it now if its first probe is
+        still held (``Target.first_after_s``: the tunnel has a session, so a probe starts
+        no handshake) or if it is declared dead (its path is back). True if a probe was
+        brought forward."""
         peer = self._peers.get(name)
         now = self._clock() if now is None else now
         if peer is None:
             return False
         peer.heard = True
-        if peer.last_sent is not None or peer.not_before <= now:
+        if peer.alive is False:
+            moved = self._probe_now(peer, now)
+        elif peer.last_sent is not None or peer.not_before <= now:
             return False
-        peer.not_before = now
+        else:
+            peer.not_before = now
+            moved = self._probe_now(peer, now)
+        if moved and self._sock is not None:
+            self._arm(now)
+        return moved
+
+    def _probe_now(self, peer: _Peer, now: float) -> bool:
+        """Bring ``peer``'s next probe forward to ``now`` (the caller re-arms the timer,
+        or is the timer: replies are read just before its sends)."""
+        if peer.last_sent is not None and now - peer.last_sent < REVIVE_GAP_S:
+            return False
+        if peer.next_send <= now:
+            return False  # due anyway
         peer.next_send = now
         self._push_send(peer)
-        if self._sock is not None:
-            self._arm(now)
         return True
 
     def reconfigure(self, config: ProbeConfig) -> None:
@@ -914,10 +936,22 @@ class Prober:
             peer.alive = True
             peer.dead_since = None
             self._notify(peer.target.name, True)
+            self._sweep_dead(now)
         elif peer.alive is None:
             peer.alive = True
         # No re-arm needed: a reply only moves the peer's dead deadline later, and the
         # timer always fires by the next send.
+
+    def _sweep_dead(self, now: float) -> None:
+        """A dead peer answered again: probe the other dead ones now. When this node was
+        the one cut off, its links came back together, and each found at its own next
+        probe (0-2 s apart) would move its routes once per link as they revive."""
+        if self._swept_at is not None and now - self._swept_at < REVIVE_SWEEP_S:
+            return
+        self._swept_at = now
+        for peer in self._peers.values():
+            if peer.alive is False:
+                self._probe_now(peer, now)
 
     def _bad(self, reason: str, addr: object, detail: str) -> None:
         key = f"bad_packet.{reason}"

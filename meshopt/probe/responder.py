@@ -477,9 +477,10 @@ class Responder:
         # spoofed sources costs a re-parse, never memory).
         self._judged: dict[tuple[str, int], SourceAddress | None] = {}
         self.allowed = allowed
-        # Told of each allowed sender when it is first judged (again after ``allowed`` is
-        # replaced): a probe from a peer proves its tunnel has a session (the agent's
-        # prober then stops holding its own first probe; meshopt.agent.peers).
+        # Told of each datagram admitted from an allowed sender: a probe from a peer
+        # proves its tunnel has a session (the agent's prober then stops holding its own
+        # first probe; meshopt.agent.peers) and its path works (a peer the prober holds
+        # dead is probed at once, not at its next probe up to 2 s away).
         self.on_heard: Callable[[SourceAddress], None] | None = None
         self.buckets = SourceBuckets(limit) if limit is not None else None
         self._listeners = Listeners("probe responder", self._on_readable)
@@ -564,11 +565,6 @@ class Responder:
         if len(self._judged) >= MAX_JUDGED:
             self._judged.clear()
         self._judged[key] = source
-        if source is not None and self.on_heard is not None:
-            try:
-                self.on_heard(source)
-            except Exception:
-                log.exception("probe responder: on_heard(%s) failed", source)
         return source
 
     def _admit(self, addr: Address) -> bool:
@@ -591,6 +587,11 @@ class Responder:
                 addr,
             )
             return False
+        if self.on_heard is not None:
+            try:
+                self.on_heard(source)
+            except Exception:
+                log.exception("probe responder: on_heard(%s) failed", source)
         return True
 
     def _answer(self, sock: socket.socket, data: bytes, addr: Address, rx_ns: int | None) -> None:

@@ -740,3 +740,59 @@ def test_a_peer_back_from_an_outage_has_neither_its_losses_nor_its_queued_replie
     harness.run(5.0)
     later = harness.prober.stats("p")
     assert later is not None and later.loss == 0.0 and later.srtt_ms == pytest.approx(10.0)
+
+
+def test_a_node_back_from_an_outage_is_found_on_all_its_links_at_once(
+    harness: Harness,
+) -> None:
+    """This node was cut off (a node down in the lab): every peer was declared dead.
+    When the first one answers again, the others are probed at once rather than at their
+    next probe, up to an idle interval (2 s) away: found one by one, the node's routes
+    moved once per link as they came back (demo's relay return: 24 changes in the lab
+    against 8 in the simulator)."""
+    harness.answer = lambda name, now: not 1003.0 <= now < 1010.0
+    harness.peers("fast", "idle1", "idle2")
+    harness.prober.set_rates({"fast": FAST, "idle1": IDLE_2S, "idle2": IDLE_2S})
+    harness.run(9.0)  # to 1009: all three dead
+    assert {n for n, a, _ in harness.events if not a} == {"fast", "idle1", "idle2"}
+    harness.run(3.0)
+    back = {n: t for n, a, t in harness.events if a}
+    assert set(back) == {"fast", "idle1", "idle2"}
+    first = min(back.values())
+    assert first < 1010.0 + 0.34  # the fast link's next probe
+    # The idle links were probed in the tick the fast one answered, not 0-2 s later.
+    assert max(back.values()) - first <= 0.011, back
+    # (the harness handles replies after its tick; the timer reads them before it)
+    assert min(t for t in harness.sends("idle1") if t >= 1010.0) - first <= 0.011
+
+
+def test_a_dead_peer_heard_from_is_probed_at_once_and_not_flooded(harness: Harness) -> None:
+    """A dead peer's probe reached our responder (``release``): its path is back, so it
+    is probed now instead of at its next idle probe; a peer heard from again and again
+    is probed early at most once per REVIVE_GAP_S, and a live one is left alone."""
+    back = [math.inf]  # the path's return: set once the peer is dead
+    harness.answer = lambda name, now: not 1003.0 <= now < back[0]
+    harness.peers("idle")
+    harness.prober.set_rates({"idle": IDLE_2S})
+    harness.run(1.5)
+    assert harness.prober.release("idle") is False  # alive: its schedule stands
+    harness.run(8.0)
+    assert harness.prober.alive("idle") is False
+    sent = len(harness.sends("idle"))
+    while len(harness.sends("idle")) == sent:
+        harness.run(0.01)
+    harness.run(0.03)  # just probed (still cut off): not again so soon
+    assert harness.prober.release("idle") is False
+    harness.run(0.06)
+    assert harness.prober.release("idle") is True
+    harness.run(0.02)
+    assert len(harness.sends("idle")) == sent + 2 and harness.prober.alive("idle") is False
+    back[0] = harness.now  # the path is back; the next scheduled probe is ~1.9 s away
+    harness.run(0.1)
+    assert len(harness.sends("idle")) == sent + 2 and harness.prober.alive("idle") is False
+    heard_at = harness.now
+    assert harness.prober.release("idle") is True
+    assert harness.prober.release("idle") is False  # brought forward already
+    harness.run(0.02)
+    assert harness.prober.alive("idle") is True
+    assert 0 < harness.sends("idle")[-1] - heard_at <= 0.011
