@@ -14,8 +14,10 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    nothing, 30 s after its agent's routes last moved, is probed only every idle
    interval (2 s), and fast again while its estimator has outliers to confirm. A peer
    that has not answered for its class's dead time (0.8 s in use, 4.84 s idle) is
-   declared dead at that moment, as the prober's timer does; an agent not started yet
-   neither probes nor answers;
+   declared dead at that moment, as the prober's timer does. A dead peer is found
+   alive again within the round in which any of the prober's revival cues reaches it
+   (:func:`revive_spread`: a dead peer's probe heard, another dead peer answering).
+   An agent not started yet neither probes nor answers;
 3. each agent checks its telemetry every second (the agent's ``check_interval_s``): the
    peers whose report moved by the agent's own rule
    (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
@@ -65,6 +67,7 @@ alternate is the backup), bulk routes.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -564,6 +567,34 @@ class _Agents:
         self.got_bits[back] = self.got_bits[back] >> run
 
 
+def _lost(rng: np.random.Generator, truth: _Truth, up: BoolArray) -> BoolArray:
+    """One probe per link: which are lost (on the way or back, or to a node not up)."""
+    n = truth.rtt.shape[0]
+    lost: BoolArray = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+    return lost
+
+
+def revive_spread(
+    dead: BoolArray, back: BoolArray, got: BoolArray, draw_lost: Callable[[], BoolArray]
+) -> BoolArray:
+    """Dead links found alive within the round by the prober's revival rules: an agent
+    whose dead peer answered again probes its other dead peers at once, and one whose
+    responder got a dead peer's probe probes that peer at once (``Prober.release``).
+    A returning node comes back on all its links together, as in the lab."""
+    found = np.zeros_like(dead)
+    asked = back.copy()  # each dead link is probed early once in a round
+    reached = got.copy()  # probes (i, j) that reached j this round: j heard from i
+    while True:
+        swept: BoolArray = np.any(back | found, axis=1)
+        ask = dead & ~asked & (swept[:, None] | reached.T)
+        if not ask.any():
+            return found
+        asked |= ask
+        answered = ask & ~draw_lost()
+        reached |= answered
+        found |= answered
+
+
 @dataclass
 class _Handshakes:
     """WireGuard's first handshake on every tunnel, as the lab's agents start.
@@ -740,7 +771,8 @@ def simulate(
             # jitter is the standard deviation of the delay (as in topology files and the
             # lab's shaper): normal noise around the configured RTT, never below zero.
             noise = rng.standard_normal((n, n)) * truth.sigma
-            lost = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+            draw_lost = functools.partial(_lost, rng, truth, up)
+            lost = draw_lost()
             sample = np.maximum(truth.rtt + noise, 0.0)
             early: BoolArray | None = None
             if start_hs is not None:  # the first handshakes: held probes, early replies
@@ -758,6 +790,8 @@ def simulate(
             # replies again): no loss, no RTT; an answer brings the peer back with the
             # outage's losses forgotten and its estimate as it was.
             back = got & dead
+            if back.any() or (dead & got.T).any():
+                back |= revive_spread(dead, back, got, draw_lost)
             if dead.any():
                 probed, got, every = probed & ~dead, got & ~dead, False
             if back.any():
@@ -779,7 +813,7 @@ def simulate(
                 after = np.minimum(
                     np.maximum(2.0 * est.srtt / 1000.0 + 0.01, RETRY_MIN_S), per_link / 2.0
                 )
-                lost2 = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+                lost2 = draw_lost()
                 again = retry & ~lost2
                 np.copyto(agents.last_reply, reply_at + after, where=again)
                 got = got | again

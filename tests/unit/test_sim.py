@@ -13,7 +13,7 @@ from meshopt.graph import topology_costs
 from meshopt.policy import PolicyConfig
 from meshopt.probe.budget import BudgetConfig
 from meshopt.routing import compute_routes
-from meshopt.sim.engine import SimConfig, simulate
+from meshopt.sim.engine import SimConfig, revive_spread, simulate
 from meshopt.sim.estimator import LinkEstimator
 from meshopt.sim.events import Event, parse_event
 from meshopt.sim.report import EventResult, SimReport
@@ -537,3 +537,31 @@ def test_the_first_handshake_holds_one_end_and_makes_the_first_reply_no_sample(
     assert both is not None and sorted(both.held_until[both.held_until > -np.inf]) == [
         pytest.approx(0.12)
     ]
+
+
+def test_a_returning_node_is_found_on_all_its_links_in_one_round() -> None:
+    """d was cut off: every link to and from it is dead. In this round only d's probe
+    to a was answered. d then probes its other dead peers (b, c) at once, and each of
+    a, b, c probes d as soon as d's probe reaches it (the prober's revival cues): all
+    six links are back, not one per idle probe over the next 2 s. A link d cannot
+    reach (c, still cut) stays dead."""
+    n = 4
+    dead = np.zeros((n, n), dtype=bool)
+    dead[3, :3] = dead[:3, 3] = True
+    back = np.zeros_like(dead)
+    back[3, 0] = True
+    got = back.copy()
+    assert (
+        revive_spread(dead, back, got, lambda: np.zeros((n, n), dtype=bool)) == dead & ~back
+    ).all()
+
+    cut = np.zeros((n, n), dtype=bool)
+    cut[3, 2] = cut[2, 3] = True
+    found = revive_spread(dead, back, got, lambda: cut.copy())
+    assert found[3, 1] and found[1, 3] and found[0, 3]
+    assert not found[3, 2] and not found[2, 3]
+    # Nothing dead answered and no dead peer's probe came: nothing is probed early.
+    calls: list[int] = []
+    none = np.zeros_like(dead)
+    assert not revive_spread(dead, none, none, lambda: calls.append(1) or cut).any()
+    assert calls == []
