@@ -22,8 +22,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    peers whose report moved by the agent's own rule
    (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
    snapshot every :func:`~meshopt.agent.telemetry.full_interval`; a step its estimator
-   confirms, and a peer found dead, go out at once (at most every ``TELL_GAP_S``), as
-   the agent tells them;
+   confirms, and a peer found dead or alive again, go out at once (at most every
+   ``TELL_GAP_S``), as the agent tells them;
 4. the controller recomputes after its debounce once input arrived and its warm-up rule
    passes (:func:`meshopt.controller.view.warmed_up`): the agents' last telemetry priced
    by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
@@ -823,9 +823,12 @@ def simulate(
                 rows = np.unique([i for i, _ in est.stepped])
                 soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
                 agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
-            if back.any():  # a dead peer answered: alive again at once
+            if back.any():  # a dead peer answered: alive again at once, and told at once
                 flips.append(np.flatnonzero(back.ravel()))
                 dead = dead & ~back
+                rows = np.flatnonzero(back.any(axis=1))
+                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
+                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
             # Only a link that did not answer this round can be declared dead before the
             # next one (dead_after_s exceeds the probe interval): its timer is watched.
             waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())
