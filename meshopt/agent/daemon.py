@@ -41,6 +41,7 @@ from meshopt.agent.peers import (
     PeerTracker,
     first_probe_delay,
     heard_from,
+    idle_phase,
     peers_by_probe_address,
 )
 from meshopt.agent.plan import (
@@ -533,6 +534,7 @@ class Agent:
                 address=p.probe_address,
                 scope=p.ifname,
                 first_after_s=first_probe_delay(p),
+                idle_phase=idle_phase(p),
             )
             for k, p in self.tracker.peers.items()
         )

@@ -8,6 +8,7 @@ rx/tx rates from the counter deltas. Pure: readings and times come in as argumen
 from __future__ import annotations
 
 import ipaddress
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -126,6 +127,18 @@ def first_probe_delay(peer: PeerInfo) -> float:
     if peer.handshake_age_s is not None or peer.own_key <= peer.public_key:
         return 0.0
     return HANDSHAKE_DEFER_S
+
+
+def idle_phase(peer: PeerInfo) -> float:
+    """Where in each idle interval we probe this peer, in [0, 1) of it on the wall clock:
+    the tunnel's own phase (spread over the mesh), and its two ends half an interval
+    apart. Both ends were demoted by the same route set and probed the idle link within
+    a fast interval of each other, so a change waited for the next pair of probes, up to
+    a whole interval (2 s); half an interval apart, one end sees it within 1 s, at the
+    same probe rate."""
+    low, high = sorted((peer.own_key, peer.public_key))
+    base = zlib.crc32(f"{low} {high}".encode()) / 2**32
+    return (base + (0.5 if peer.own_key == high else 0.0)) % 1.0
 
 
 def peers_by_probe_address(peers: Iterable[PeerInfo]) -> dict[IPAddress, str]:

@@ -239,6 +239,10 @@ class Target:
     # (meshopt.agent.peers.first_probe_delay). Not part of the target's identity: it
     # matters only before the first probe.
     first_after_s: float = field(default=0.0, compare=False)
+    # Where in each idle interval the peer is probed, as a share of it on the wall clock
+    # (meshopt.agent.peers.idle_phase: the two ends of a tunnel half an interval apart);
+    # None: the phase its fast probes had.
+    idle_phase: float | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -247,6 +251,10 @@ class Target:
             raise InputError(
                 f"probe target {self.name}: first_after_s must be in [0, 60], "
                 f"not {self.first_after_s!r}"
+            )
+        if self.idle_phase is not None and not 0.0 <= self.idle_phase < 1.0:
+            raise InputError(
+                f"probe target {self.name}: idle_phase must be in [0, 1), not {self.idle_phase!r}"
             )
         ip = self._ip()
         if ip.version == 4 and self.scope is not None:
@@ -386,6 +394,7 @@ class Prober:
         self._wake_at: float | None = None  # when the armed timer is due
         self._logged: set[str] = set()
         self._swept_at: float | None = None  # the last sweep of the dead peers
+        self._wall_offset = time.time() - clock()  # idle phases are on the wall clock
         self.coalesce_s = COALESCE_S  # 0: every send in a tick of its own (tests)
 
     # -- life cycle ------------------------------------------------------------------
@@ -532,8 +541,19 @@ class Prober:
         elif promoted:
             peer.next_send = now
         else:
-            peer.next_send = self._snap(peer, peer.last_sent + rate.interval_s)
+            peer.next_send = self._next_slow(peer, peer.last_sent, rate.interval_s, now)
         self._push_send(peer)
+
+    def _next_slow(self, peer: _Peer, last: float, interval: float, now: float) -> float:
+        """The send after ``last`` at a slow ``interval``: on the peer's idle phase if it
+        has one (the first such moment at least half an interval after ``last``), else
+        one interval after it."""
+        phase = peer.target.idle_phase
+        if phase is None or interval <= self.config.interval_s:
+            return self._snap(peer, max(last + interval, now))
+        wall = max(last + interval / 2, now) + self._wall_offset
+        k = math.ceil(wall / interval - phase)
+        return self._snap(peer, (k + phase) * interval - self._wall_offset)
 
     def _interval(self, peer: _Peer) -> float:
         """The peer's send interval: its rate's, or the fast one while its estimator
@@ -762,10 +782,14 @@ class Prober:
                 break  # a fast peer is not probed twice in one tick
             heapq.heappop(sends)
             self._send(peer)
-            peer.next_send += interval
-            if peer.next_send <= now:  # fell behind (a stalled loop): no burst, same phase
-                peer.next_send += math.ceil((now - peer.next_send) / interval + 1e-9) * interval
-            peer.next_send = self._snap(peer, peer.next_send)
+            if peer.target.idle_phase is not None and interval > self.config.interval_s:
+                peer.next_send = self._next_slow(peer, now, interval, now)
+            else:
+                peer.next_send += interval
+                if peer.next_send <= now:  # fell behind (a stalled loop): no burst, same phase
+                    behind = math.ceil((now - peer.next_send) / interval + 1e-9)
+                    peer.next_send += behind * interval
+                peer.next_send = self._snap(peer, peer.next_send)
             self._push_send(peer)
             self._push_death(peer)
 

@@ -190,6 +190,24 @@ def test_only_the_larger_key_defers_its_first_probe_and_only_before_a_handshake(
     assert first_probe_delay(done) == 0.0
 
 
+def test_the_two_ends_of_a_tunnel_probe_it_idle_half_an_interval_apart() -> None:
+    """Each end computes its idle phase from the two keys alone: they agree on the
+    tunnel's phase and sit half an interval apart; other tunnels get other phases."""
+    from meshopt.agent.peers import idle_phase
+
+    p = _peers()[B]
+    one = PeerInfo(**{**p.__dict__, "own_key": ME, "public_key": p.public_key})
+    other = PeerInfo(**{**p.__dict__, "own_key": p.public_key, "public_key": ME})
+    a, b = idle_phase(one), idle_phase(other)
+    assert 0.0 <= a < 1.0 and 0.0 <= b < 1.0
+    assert abs(abs(a - b) - 0.5) < 1e-9
+    phases = {
+        idle_phase(PeerInfo(**{**p.__dict__, "own_key": ME, "public_key": f"{k:043d}="}))
+        for k in range(20)
+    }
+    assert len(phases) == 20 and max(phases) - min(phases) > 0.5  # spread over the mesh
+
+
 def test_a_probe_names_its_sender_by_probe_address_whatever_its_scope() -> None:
     """The responder reports who it heard by source address (link-local, with the
     interface as scope); the agent releases that peer's held first probe."""

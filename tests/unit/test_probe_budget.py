@@ -796,3 +796,40 @@ def test_a_dead_peer_heard_from_is_probed_at_once_and_not_flooded(harness: Harne
     harness.run(0.02)
     assert harness.prober.alive("idle") is True
     assert 0 < harness.sends("idle")[-1] - heard_at <= 0.011
+
+
+def test_an_idle_peer_with_a_phase_is_probed_on_it_and_the_two_ends_apart(
+    harness: Harness,
+) -> None:
+    """``Target.idle_phase``: idle probes at that share of each interval on the wall
+    clock. The two ends of a tunnel (phases half apart, here two targets of one prober)
+    probe it a second apart, so one of them sees a change within 1 s, not 2 s. Demoted
+    from the fast class, the first idle probe is at least half an interval after the
+    last fast one; a target without a phase keeps the phase its fast probes had."""
+    harness.prober.set_targets(
+        [
+            Target("a", "127.0.0.1", idle_phase=0.1),
+            Target("b", "127.0.0.1", idle_phase=0.6),
+            Target("c", "127.0.0.1"),
+        ]
+    )
+    harness.prober.set_rates({n: FAST for n in "abc"})
+    harness.run(1.0)
+    demoted = harness.now
+    last_fast = {n: harness.sends(n)[-1] for n in "abc"}
+    harness.prober.set_rates({n: IDLE_2S for n in "abc"})
+    harness.run(12.0)
+    offset = harness.prober._wall_offset
+    for name, phase in (("a", 0.1), ("b", 0.6)):
+        idle = [t for t in harness.sends(name) if t > demoted]
+        assert 1.0 - 0.011 <= idle[0] - last_fast[name] < 3.0 + GRID_S + 0.011
+        for t in idle:  # on the phase, up to the 50 ms grid and a harness step
+            assert -0.011 <= ((t + offset) / 2.0 - phase) % 1.0 * 2.0 <= GRID_S + 0.011
+        assert all(abs(g - 2.0) <= GRID_S + 0.011 for g in gaps(idle)), gaps(idle)
+    a = [t for t in harness.sends("a") if t > demoted]
+    b = [t for t in harness.sends("b") if t > demoted]
+    assert min(abs(x - y) for x in a for y in b) >= 1.0 - GRID_S - 0.011
+    c = [t for t in harness.sends("c") if t > demoted]
+    assert c[0] - last_fast["c"] == pytest.approx(2.0, abs=GRID_S + 0.011)
+    with pytest.raises(InputError, match="idle_phase"):
+        Target("d", "127.0.0.1", idle_phase=1.0)
