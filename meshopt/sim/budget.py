@@ -45,12 +45,29 @@ class LinkBudget:
     idle_dead_s: FloatArray  # per row: its dead time
     next_hop: IntArray | None = None
     relay: BoolArray | None = None
+    # Each link's idle phase, a share of the interval on the wall clock (the agent's
+    # meshopt.agent.peers.idle_phase: a tunnel's two ends half an interval apart), and
+    # the wall clock at simulated time 0. None: the phase of the link's last probe.
+    phase: FloatArray | None = None
+    wall0: float = 0.0
 
     @classmethod
-    def start(cls, config: BudgetConfig, tunnel: BoolArray) -> LinkBudget:
+    def start(
+        cls, config: BudgetConfig, tunnel: BoolArray, rng: np.random.Generator | None = None
+    ) -> LinkBudget:
+        """``rng``: draws the tunnels' idle phases and the wall clock's offset (as the
+        agents' key hashes and the lab's start time would fall); None: no phases."""
         n = tunnel.shape[0]
         idle = config.idle(config.idle_interval_s)
+        phase: FloatArray | None = None
+        wall0 = 0.0
+        if rng is not None:
+            base = np.triu(rng.random((n, n)), 1)
+            phase = (base + base.T + np.tril(np.full((n, n), 0.5), -1)) % 1.0
+            wall0 = float(rng.uniform(0.0, idle.interval_s))
         return cls(
+            phase=phase,
+            wall0=wall0,
             config=config,
             tunnel=tunnel,
             settle_until=np.full(n, np.inf),  # before the first route set: all in use
@@ -102,8 +119,14 @@ class LinkBudget:
 
     def sent(self, probed: BoolArray, sent_at: float) -> None:
         """Probes went out: an idle link is next due one idle interval later (a demoted
-        link one idle interval after its last fast probe)."""
-        self.next_idle = np.where(probed, sent_at + self.idle_s[:, None], self.next_idle)
+        link one idle interval after its last fast probe), on its phase if it has one."""
+        interval = self.idle_s[:, None]
+        if self.phase is None:
+            after = np.broadcast_to(sent_at + interval, probed.shape)
+        else:  # the first moment on the link's phase at least half an interval on
+            wall = sent_at + interval / 2 + self.wall0
+            after = (np.ceil(wall / interval - self.phase) + self.phase) * interval - self.wall0
+        self.next_idle = np.where(probed, after, self.next_idle)
 
     def dead_after(self, links: npt.NDArray[np.intp]) -> FloatArray:
         """The dead time of ``links`` (flat indices) at their class."""

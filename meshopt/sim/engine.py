@@ -12,7 +12,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    prober's window (loss and samples over the last 64 probes). With the probe budget
    (``budget``, on as in the agent: :mod:`meshopt.sim.budget`) a link that relays
    nothing, 30 s after its agent's routes last moved, is probed only every idle
-   interval (2 s), and fast again while its estimator has outliers to confirm. A peer
+   interval (2 s), on its phase (the two ends of a tunnel half an interval apart), and
+   fast again while its estimator has outliers to confirm. A peer
    that has not answered for its class's dead time (0.8 s in use, 4.84 s idle) is
    declared dead at that moment, as the prober's timer does. A dead peer is found
    alive again within the round in which any of the prober's revival cues reaches it
@@ -712,6 +713,7 @@ def simulate(
         else LinkBudget.start(
             replace(cfg.budget, fast_interval_s=interval, fast_dead_after_s=cfg.dead_after_s),
             tunnel,
+            np.random.default_rng([cfg.seed, 1]),  # its own stream: the probes' stay as they were
         )
     )
     installed = _direct(topo)
