@@ -58,12 +58,7 @@ JITTER_SHARE = 0.115  # sigma of +/- 20 % uniform, as bench convergence's stabil
 
 @dataclass(frozen=True)
 class Timeline:
-    # An odd second: an idle link's probes keep the phase of its demotion, 30 s after
-    # the first routes (~4 s), so they fall on even seconds. At 40 s a degradation of
-    # an idle link (bench8's c-g) landed just before or just after one: found ~1 s or
-    # ~2.6 s later by the toss of a few tens of ms, on both sides (the simulator's nine
-    # seeds: six and three; the lab's six runs: three and three).
-    degrade_at: float = 41.0
+    degrade_at: float = 40.0
     fail_at: float = 60.0
     restore_after: float = 15.0
     jitter_at: float = 90.0
