@@ -73,6 +73,12 @@ class ControllerConfig:
     nodes: tuple[str, ...] = ()  # allow-list; empty: any node that publishes telemetry
     symmetric: bool = False  # true for meshes in the single-interface layout
     debounce_s: float = 0.2
+    # Links coming back (a node that returns): the recompute waits until none has come
+    # back for revive_quiet_s, at most revive_max_s after the first, so the node's
+    # routes return in one move once its peers have all told, not through whichever of
+    # its links the controller heard of first and again a moment later.
+    revive_quiet_s: float = 0.3
+    revive_max_s: float = 1.0
     # First routes once every link has warmup_samples (~1 s of probes: each estimate
     # carries its noise, so the policy's margins and noise test decide what a young
     # estimate may move: a relay far better moves at once, a near tie waits), or warmup_s
@@ -133,7 +139,7 @@ def parse_controller_config(data: dict[str, Any], *, source: str = "config") -> 
             raise InputError("settle_s must be shorter than lease_s")
         if not cfg.warmup_samples >= 1:
             raise InputError("warmup_samples must be >= 1")
-        for key in ("warmup_s", "startup_s", "startup_hold_s"):
+        for key in ("warmup_s", "startup_s", "startup_hold_s", "revive_quiet_s", "revive_max_s"):
             v = getattr(cfg, key)
             if not v >= 0.0:
                 raise InputError(f"{key} must be >= 0, got {v!r}")

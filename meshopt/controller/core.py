@@ -222,6 +222,10 @@ class ControllerCore:
         self.version = 0
         self.dirty_since: float | None = None
         self.urgent = False
+        # Links reported back since the last recompute: the first such report's time,
+        # and until when the recompute waits for the rest (ControllerConfig.revive_*).
+        self.revived_at: float | None = None
+        self.revive_until = -math.inf
         # Dirty by more than routine snapshots (see recompute_due); the last recompute's
         # start and CPU time; each node's last snapshot table, to tell noise from moves.
         self.prompt = False
@@ -243,6 +247,7 @@ class ControllerCore:
         self._event_seq = 0
         self._hot: list[tuple[str, str | None]] = []
         self._base: _Base | None = None
+        self._last_index: tuple[Computed, dict[str, int]] | None = None
         self._busy = False
         self._covering: set[int] = set()
         self.urgent_plans = 0
@@ -404,6 +409,11 @@ class ControllerCore:
                 and not tables_moved(self._tables.get(name), t.table)
             )
             self._tables[name] = t.table
+        if changed and not t.full and self._revives(name, t):
+            cfg = self.cfg
+            if self.revived_at is None:
+                self.revived_at = now
+            self.revive_until = min(self.revived_at + cfg.revive_max_s, now + cfg.revive_quiet_s)
         if changed:  # a heartbeat only keeps the node fresh: nothing to recompute
             self.mark_dirty(now, routine=routine)
             if not routine:
@@ -531,6 +541,8 @@ class ControllerCore:
         )
         if not self.urgent and not (spaced and now - self.dirty_since >= self.cfg.debounce_s):
             return False
+        if not self.urgent and now < self.revive_until:
+            return False  # links are coming back: wait for the rest of them
         # The clock first: ``ready`` checks every link's samples (62,000 at 250 nodes),
         # a third of the controller's CPU when asked on every tick.
         return warmed_up(
@@ -550,6 +562,7 @@ class ControllerCore:
             self.dirty_since = None
             self.urgent = False
             self.prompt = False
+            self.revived_at = None
         started = time.thread_time()
         try:
             return self.recompute(now, wall) if signed else self.plan(now, wall)
@@ -700,6 +713,30 @@ class ControllerCore:
         if key not in self._hot:
             self._hot.append(key)
         return True
+
+    def _revives(self, name: str, t: Telemetry) -> bool:
+        """Whether this change report has a link alive that the last recompute had down
+        (a node's return, or a tunnel's)."""
+        c = self.last
+        if c is None or not c.names:
+            return False
+        if self._last_index is None or self._last_index[0] is not c:
+            self._last_index = (c, {n: i for i, n in enumerate(c.names)})
+        index = self._last_index[1]
+        a = index.get(name)
+        if a is None:
+            return False
+        keys = [p.public_key for p in t.peers if p.alive]
+        if t.table is not None and len(t.table):
+            arr = _PeerArrays.of_table(t.table)
+            keys += [k for k, alive in zip(arr.keys, arr.alive, strict=True) if alive == 1]
+        owner = self.view._key_owner
+        cost = c.matrices.cost
+        for key in keys:
+            b = index.get(owner.get(key, ""))
+            if b is not None and b != a and not math.isfinite(cost[a, b]):
+                return True
+        return False
 
     def _link_events(self, name: str, t: Telemetry, *, in_view: bool) -> bool:
         """Links of ``name`` this telemetry reports dead, or far costlier than the last

@@ -26,7 +26,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    confirms, and a peer found dead or alive again, go out at once (at most every
    ``TELL_GAP_S``), as the agent tells them;
 4. the controller recomputes after its debounce once input arrived and its warm-up rule
-   passes (:func:`meshopt.controller.view.warmed_up`): the agents' last telemetry priced
+   passes (:func:`meshopt.controller.view.warmed_up`), and while links are told back
+   once none has been for ``revive_quiet_s``: the agents' last telemetry priced
    by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
    by :meth:`meshopt.controller.engine.RouteEngine.decide` (routes, the degradation
    release, the anti-flap policy) with the start-up policy
@@ -723,6 +724,8 @@ def simulate(
     decisions = 0
     first_seen: float | None = None
     dirty_since: float | None = None
+    revived_at: float | None = None  # links told back since the last recompute: the first
+    revive_until = -np.inf
     last_recompute = -np.inf
     next_round = probe_phase
     dead = np.zeros((n, n), dtype=bool)
@@ -852,7 +855,9 @@ def simulate(
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
         rows = np.flatnonzero(agents.next_check <= now + 1e-9)
         if rows.size:
-            _report(agents, est, dead, rows, now, tel, tunnel)
+            if _report(agents, est, dead, rows, now, tel, tunnel):
+                revived_at = now if revived_at is None else revived_at
+                revive_until = min(revived_at + ctl.revive_max_s, now + ctl.revive_quiet_s)
             if first_seen is None:
                 first_seen = now
             dirty_since = now if dirty_since is None else dirty_since
@@ -863,6 +868,7 @@ def simulate(
             dirty_since is not None
             and now - dirty_since >= ctl.debounce_s - 1e-9
             and now - last_recompute >= gap - 1e-9
+            and now >= revive_until - 1e-9
             and warmed_up(
                 first_seen,
                 now,
@@ -877,6 +883,7 @@ def simulate(
                 backups.took_s = 0.0
                 backups.computed = False
             dirty_since = None
+            revived_at = None
             last_recompute = now
             recomputes += 1
             t0 = clock()
@@ -985,10 +992,12 @@ def _report(
     now: float,
     tel: TelemetrySettings,
     tunnel: BoolArray,
-) -> None:
+) -> bool:
     """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
     (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
-    full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`)."""
+    full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`).
+    True if a change report told a link alive that the controller had dead (the
+    controller's ``revive_*`` wait)."""
     a = agents
     got = _popcount(a.got_bits[rows]).astype(np.float64)
     lost = _popcount(a.lost_bits[rows]).astype(np.float64)
@@ -1008,6 +1017,7 @@ def _report(
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
+    revived = bool(((a.pub_alive[rows] == 0) & (alive == 1) & moved & ~full).any())
     a.pub_alive[ri, ci] = alive[take]
     a.pub_rtt[ri, ci] = rtt[take]
     a.pub_jitter[ri, ci] = est.jitter_rows(rows)[take]
@@ -1021,6 +1031,7 @@ def _report(
     # WARM_WINDOW_S after its start.
     told = (a.pub_alive[rows] == 0) | (a.pub_samples[rows] >= WARM_SAMPLES) | ~tunnel[rows]
     a.next_check[rows] += check_interval(told.all(axis=1), now - a.boot[rows], tel)
+    return revived
 
 
 def _measured(agents: _Agents, tunnel: BoolArray, min_samples: int) -> bool:

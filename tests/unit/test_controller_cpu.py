@@ -234,3 +234,63 @@ def test_a_snapshot_without_a_table_is_never_taken_for_noise() -> None:
     msg = sign("telemetry", t, x.identity)
     core.on_message(f"meshopt/bench/telemetry/{x.name}", msg, False, m.now, WALL + m.now)
     assert core.dirty_since == m.now and core.prompt
+
+
+def _alive(peers: list[PeerReport], key: str, alive: bool) -> list[PeerReport]:
+    return [
+        msgspec.structs.replace(p, alive=alive, rtt_ms=p.rtt_ms if alive else None)
+        if p.public_key == key
+        else p
+        for p in peers
+    ]
+
+
+def test_links_coming_back_hold_the_recompute_until_they_have_all_told() -> None:
+    """A node that returns is told back by each of its peers, a few hundred ms apart
+    (each hears it, probes it, tells). Recomputing after the first report re-installed
+    its routes through the one link heard of and moved them again 0.4-1.2 s later (the
+    16-node twin: 59 changes where the simulator had 8). Links told back now hold the
+    recompute until none has come back for revive_quiet_s, at most revive_max_s."""
+    m = Mesh()
+    core = m.core
+    quiet, most = core.cfg.revive_quiet_s, core.cfg.revive_max_s
+    assert 0 < quiet < most
+    c = m.mesh.nodes[2].wg_key
+    for i in range(3):
+        m.send(i, m.peers[i])
+    m.now += 1.0
+    m.recompute()
+    # c is cut off: both its peers tell it dead; recomputed at once after the debounce.
+    for i in (0, 1):
+        m.send(i, _alive(m.peers[i], c, False), full=False)
+    m.send(2, [msgspec.structs.replace(p, alive=False, rtt_ms=None) for p in m.peers[2]])
+    m.now += core.cfg.debounce_s + 0.01
+    m.recompute()
+    # c is back: a's report first, b's 0.25 s later, c's own 0.25 s after that.
+    m.now += 5.0
+    m.send(0, _alive(m.peers[0], c, True), full=False)
+    assert core.prompt and core.revived_at == m.now
+    m.now += core.cfg.debounce_s + 0.01
+    assert not m.due()  # b has not told yet
+    m.now += 0.25 - core.cfg.debounce_s - 0.01
+    m.send(1, _alive(m.peers[1], c, True), full=False)
+    m.now += 0.25
+    assert not m.due()
+    m.send(2, m.peers[2], full=False)
+    m.now += quiet - 0.01
+    assert not m.due()
+    m.now += 0.02
+    m.recompute()
+    assert core.revived_at is None
+    # Links that keep coming back wait at most revive_max_s after the first.
+    m.send(0, _alive(m.peers[0], c, False), full=False)
+    m.now += core.cfg.debounce_s + 0.01
+    m.recompute()
+    start = m.now
+    for _ in range(round(most / 0.1) - 1):  # a flapping link, told every 0.1 s
+        m.send(0, _alive(m.peers[0], c, True), full=False)
+        m.send(0, _alive(m.peers[0], c, False), full=False)
+        m.now += 0.1
+        assert not m.due()
+    m.now = start + most + 0.01
+    assert m.due()
