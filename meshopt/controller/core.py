@@ -397,6 +397,13 @@ class ControllerCore:
         claims = (list(before.public_keys), list(before.addresses)) if before else None
         changed = self.view.take(name, t, now, wall if retained else None)
         self.telemetry_seq.accept(name, t.seq)
+        last = self.session.get(name)
+        if last is not None and t.session > last and self.intended.pop(name, None) is not None:
+            # A new broker session of the agent (a restart, a reconnect): its route set
+            # goes out again at the next recompute, even unchanged. A clean stop withdrew
+            # the routes, and the retained set may be one the agent refuses (a replay of
+            # a version it is past), which left it routeless until its routes changed.
+            self.mark_dirty(now)
         self.session[name] = max(t.session, self.session.get(name, 0))
         routine = False
         if t.full and t.table is not None:
