@@ -164,6 +164,13 @@ class Mesh:
         self.core.recompute_now(self.now, WALL + self.now)
         assert self.core.dirty_since is None and not self.core.prompt
 
+    def settled(self) -> None:
+        """Every agent's first snapshot, then the first recompute, a second later."""
+        for i in range(3):
+            self.send(i, self.peers[i])
+        self.now += 1.0
+        self.recompute()
+
 
 def _scaled(peers: list[PeerReport], factor: float) -> list[PeerReport]:
     return [
@@ -214,10 +221,7 @@ def test_a_noise_snapshot_waits_for_the_routine_spacing_and_a_move_does_not() ->
 def test_a_snapshot_without_a_table_is_never_taken_for_noise() -> None:
     m = Mesh()
     core = m.core
-    for i in range(3):
-        m.send(i, m.peers[i])
-    m.now += 1.0
-    m.recompute()
+    m.settled()
     core.recompute_cpu_s = 10.0
     m.now += 0.1
     x = m.mesh.nodes[0]
@@ -256,10 +260,7 @@ def test_links_coming_back_hold_the_recompute_until_they_have_all_told() -> None
     quiet, most = core.cfg.revive_quiet_s, core.cfg.revive_max_s
     assert 0 < quiet < most
     c = m.mesh.nodes[2].wg_key
-    for i in range(3):
-        m.send(i, m.peers[i])
-    m.now += 1.0
-    m.recompute()
+    m.settled()
     # c is cut off: both its peers tell it dead; recomputed at once after the debounce.
     for i in (0, 1):
         m.send(i, _alive(m.peers[i], c, False), full=False)
@@ -303,10 +304,7 @@ def test_a_restarted_agent_gets_its_route_set_again_even_unchanged() -> None:
     agent makes its set go out again at the next recompute; the others' do not."""
     m = Mesh()
     core = m.core
-    for i in range(3):
-        m.send(i, m.peers[i])
-    m.now += 1.0
-    m.recompute()
+    m.settled()
     names = [x.name for x in m.mesh.nodes]
     assert all(n in core.intended for n in names)
     m.now += 1.0
