@@ -87,6 +87,9 @@ log = logging.getLogger("meshopt.agent")
 # How long an existing interface that does not answer keeps its last WireGuard reading.
 UNREADABLE_GRACE_S = 30.0
 
+# Senders whose peer _heard remembers (the responder admits current peers only).
+MAX_HEARD_KEYS = 4096
+
 # The agent's MQTT keepalive. At the bus's default (4 s) a VM stall of 3 s read as a dead
 # node (seen in the lab): a keepalive ping was in flight when the process stopped, and on
 # waking the MQTT client found no answer within the keepalive and closed the connection
@@ -198,6 +201,7 @@ class Agent:
         )
         self.trains = TrainResponder(allowed=PeerSources())
         self._by_probe_address: dict[IPAddress, str] = {}
+        self._heard_keys: dict[IPAddress, str | None] = {}  # _heard's answers, per sender
         self.responder.on_heard = self._heard
         self.capacity: dict[str, Capacity] = {}
         self.bandwidth_bytes = 0
@@ -528,6 +532,7 @@ class Agent:
             self._unbound |= len(r.addresses) < len(set(probes))
         self.addresses = own_prefixes_from(own)
         self._by_probe_address = peers_by_probe_address(self.tracker.peers.values())
+        self._heard_keys = {}
         self.prober.set_targets(
             Target(
                 name=k,
@@ -546,8 +551,16 @@ class Agent:
     def _heard(self, source: IPAddress) -> None:
         """A peer's probe reached our responder: its tunnel has a session, so a first
         probe we held (meshopt.agent.peers.first_probe_delay) can go now, and a peer we
-        hold dead is back: probed now, its routes return with the node's other links."""
-        key = heard_from(self._by_probe_address, source)
+        hold dead is back: probed now, its routes return with the node's other links.
+        Called for every probe answered: heard_from on a link-local sender (its scope
+        stripped through a string) was a tenth of a 16-node lab agent's CPU, so each
+        sender's answer is kept until the peers change."""
+        try:
+            key = self._heard_keys[source]
+        except KeyError:
+            key = heard_from(self._by_probe_address, source)
+            if len(self._heard_keys) < MAX_HEARD_KEYS:  # admitted senders: current peers
+                self._heard_keys[source] = key
         if key is not None and self.prober.release(key):
             log.debug("peer %s heard from: probing it now", key[:8])
 
