@@ -771,6 +771,22 @@ class Agent:
 
     # --- telemetry --------------------------------------------------------------------
 
+    def _counters(self) -> dict[str, int]:
+        """What a full snapshot carries besides the peers (only those: the timer's
+        quantiles sort 4096 gaps, 3 % of a lab agent's CPU when every report had them)."""
+        counters = self.counters.snapshot()
+        counters["bandwidth_bytes"] = self.bandwidth_bytes
+        for k, v in self.prober.counters.items():
+            counters[f"probe_{k}"] = v
+        for k, v in self.responder.counters.items():
+            counters[f"responder_{k}"] = v
+        # What kernel receive stamps save: how late userspace read the replies.
+        quantiles = self.prober.timer_error.median_p95_us()
+        if quantiles is not None:
+            counters["probe_timer_error_median_us"] = round(quantiles[0])
+            counters["probe_timer_error_p95_us"] = round(quantiles[1])
+        return counters
+
     def reports(self) -> dict[str, PeerReport]:
         now = self.clock()
         return {
@@ -821,24 +837,13 @@ class Agent:
                 # No interface read yet (not up, or its socket refused us): telemetry
                 # names the node's WireGuard key, and "" would not encode.
                 continue
-            counters = self.counters.snapshot()
-            counters["bandwidth_bytes"] = self.bandwidth_bytes
-            for k, v in self.prober.counters.items():
-                counters[f"probe_{k}"] = v
-            for k, v in self.responder.counters.items():
-                counters[f"responder_{k}"] = v
-            # What kernel receive stamps save: how late userspace read the replies.
-            timer = self.prober.timer_error
-            if timer.count:
-                counters["probe_timer_error_median_us"] = round(timer.median_us() or 0)
-                counters["probe_timer_error_p95_us"] = round(timer.p95_us() or 0)
             msg = signed_telemetry(
                 self.core,
                 self.wall(),
                 public_keys=[self.tracker.own_keys[i] for i in sorted(self.tracker.own_keys)],
                 addresses=self.addresses,
                 plan=plan,
-                counters=counters if plan.full else {},  # change reports stay small
+                counters=self._counters() if plan.full else {},  # change reports stay small
             )
             # Full snapshots are retained: a controller or `meshopt routes` that starts
             # later gets every node's latest picture at once.

@@ -93,6 +93,13 @@ class TimerError:
         ordered = sorted(self._gaps_ns)
         return quantile(ordered, 0.95) / 1000.0
 
+    def median_p95_us(self) -> tuple[float, float] | None:
+        """Both at the cost of one sort (the agent's full snapshots carry them)."""
+        if not self._gaps_ns:
+            return None
+        ordered = sorted(self._gaps_ns)
+        return quantile(ordered, 0.5) / 1000.0, quantile(ordered, 0.95) / 1000.0
+
     @staticmethod
     def clock_resolution_s() -> float:
         """Resolution of CLOCK_REALTIME, the clock both stamps are read from.

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 
 from meshopt.probe.stats import PeerWindow, quantile
+from meshopt.probe.timestamps import TimerError
 from meshopt.sim.estimator import LinkEstimator
 
 RTTS = [10.0, 12.0, 11.0, 15.0, 10.5]
@@ -162,3 +165,15 @@ def test_window_median_is_statistics_median_exactly(n: int) -> None:
     for seq, rtt in enumerate(rtts):
         w.add_reply(seq, rtt, float(seq))
     assert w.stats().rtt_median_ms == statistics.median(rtts)
+
+
+def test_timer_error_quantiles_from_one_sort_match_each_alone() -> None:
+    """The agent's full snapshots carry the receive-timer error's median and p95."""
+    timer = TimerError(keep=100)
+    assert timer.median_p95_us() is None
+    rng = random.Random(3)
+    for _ in range(250):  # more than kept: the last 100 count
+        timer.add(0, rng.randrange(5_000, 900_000))
+    assert timer.median_p95_us() == pytest.approx((timer.median_us(), timer.p95_us()))
+    timer.add(0, 10_000)
+    assert timer.median_p95_us() == pytest.approx((timer.median_us(), timer.p95_us()))
