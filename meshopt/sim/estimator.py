@@ -29,6 +29,7 @@ of it report the same figures:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -46,6 +47,7 @@ from meshopt.estimate import (
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+_T = TypeVar("_T", bound=np.generic)
 
 __all__ = ["LinkEstimator", "alpha_for"]
 
@@ -56,6 +58,13 @@ def _warm_up_tables(a: float) -> tuple[FloatArray, FloatArray]:
     """:func:`meshopt.estimate.warm_up_tables` as arrays."""
     share, gain = warm_up_tables(a)
     return np.array(share, dtype=np.float64), np.array(gain, dtype=np.float64)
+
+
+def _flat(a: npt.NDArray[_T]) -> npt.NDArray[_T]:
+    """A flat view of a state matrix, written through (never a copy)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("estimator state must be C-contiguous")
+    return a.reshape(-1)
 
 
 @dataclass
@@ -110,59 +119,73 @@ class LinkEstimator:
     def update(self, sample: FloatArray, lost: BoolArray, probed: BoolArray | None = None) -> None:
         """One probe round: ``sample`` RTTs (ignored where ``lost``); ``probed``: only
         those links sent a probe (an agent not started yet sends none), the rest stay."""
+        idx = np.arange(self.srtt.size) if probed is None else np.flatnonzero(probed)
+        self.update_links(idx, sample.reshape(-1)[idx], lost.reshape(-1)[idx])
+
+    def update_links(self, idx: npt.NDArray[np.intp], sample: FloatArray, lost: BoolArray) -> None:
+        """The outcomes of probes on some links (flat indices ``idx``): the work is in
+        proportion to them, as the simulator feeds each tick the replies that arrived
+        in it (a round's replies come over its RTTs, up to a dozen ticks)."""
         cfg = self.robust
         self.stepped = []
-        if probed is not None:
-            lost = lost & probed
-        got = ~lost if probed is None else ~lost & probed
-        fresh = got & (np.isnan(self.srtt) | (self.misses >= self.dead_after))
+        if idx.size == 0:
+            return
+        srtt_f, var_f = _flat(self.srtt), _flat(self.var)
+        samples_f, accepted_f = _flat(self.samples), _flat(self.accepted)
+        pending_f, outliers_f = _flat(self.pending), _flat(self.outliers)
+        srtt, var, samples = srtt_f[idx], var_f[idx], samples_f[idx]
+        accepted, misses = accepted_f[idx], _flat(self.misses)[idx]
+        got = ~lost
+        fresh = got & (np.isnan(srtt) | (misses >= self.dead_after))
         # A link that comes back (or is new) starts from its first sample.
-        self.srtt = np.where(fresh, sample, self.srtt)
-        self.var = np.where(fresh, 0.0, self.var)
-        self.samples = np.where(fresh, 1, self.samples)
-        self.accepted = np.where(fresh, 1, self.accepted)
-        self.pending = np.where(fresh, 0, self.pending).astype(np.int32)
+        if fresh.any():
+            srtt, var = np.where(fresh, sample, srtt), np.where(fresh, 0.0, var)
+            samples, accepted = np.where(fresh, 1, samples), np.where(fresh, 1, accepted)
+            fi = idx[fresh]
+            srtt_f[fi], var_f[fi], samples_f[fi], accepted_f[fi] = sample[fresh], 0.0, 1, 1
+            pending_f[fi] = 0
         upd = got & ~fresh
-        dev = sample - self.srtt
+        dev = sample - srtt
         scale = np.maximum(
-            np.maximum(self.jitter, cfg.min_scale_ms), cfg.min_scale_rel * np.nan_to_num(self.srtt)
+            np.maximum(self._jitter_of(var, samples), cfg.min_scale_ms),
+            cfg.min_scale_rel * np.nan_to_num(srtt),
         )  # estimate.scale_of, vectorised
         with np.errstate(invalid="ignore"):
-            out = upd & (self.accepted >= cfg.warmup) & (np.abs(dev) > cfg.k * scale)
+            out = upd & (accepted >= cfg.warmup) & (np.abs(dev) > cfg.k * scale)
         acc = upd & ~out
         # Outliers: remembered; a confirmed change restarts the link (estimate.py's rule).
         if out.any():
-            ii, jj = np.nonzero(out)
-            self.pending_values[ii, jj, self.pending[ii, jj]] = sample[ii, jj]
-            self.pending = np.where(out, self.pending + 1, self.pending).astype(np.int32)
-            self.outliers += out
-            for i, j in zip(ii.tolist(), jj.tolist(), strict=True):
-                self._restart(i, j, float(scale[i, j]))
-        self.pending = np.where(acc, 0, self.pending).astype(np.int32)
+            oi = idx[out]
+            slots = self.pending_values.reshape(self.srtt.size, -1)
+            slots[oi, pending_f[oi]] = sample[out]
+            pending_f[oi] += 1
+            outliers_f[oi] += 1
+            n = self.srtt.shape[1]
+            for flat, sc in zip(oi.tolist(), scale[out].tolist(), strict=True):
+                self._restart(flat // n, flat % n, sc)
         a = self.a_rtt
-        self.var = np.where(acc, (1 - a) * (self.var + a * dev * dev), self.var)
-        self.srtt = np.where(acc, self.srtt + a * dev, self.srtt)
-        self.samples = self.samples + acc
-        self.accepted = self.accepted + acc
+        ai, d = idx[acc], dev[acc]
+        pending_f[ai] = 0
+        var_f[ai] = (1 - a) * (var[acc] + a * d * d)
+        srtt_f[ai] = srtt[acc] + a * d
+        samples_f[ai] += 1
+        accepted_f[ai] += 1
         if self._checks_warm_up:  # the accepted-th sample goes to slot accepted - 1
-            took = (acc | fresh) & (self.accepted <= cfg.warmup)
+            now_accepted = accepted_f[idx]
+            warm = self.warm.reshape(self.srtt.size, -1)
+            took = (acc | fresh) & (now_accepted <= cfg.warmup)
             if took.any():
-                ii, jj = np.nonzero(took)
-                self.warm[ii, jj, self.accepted[ii, jj] - 1] = sample[ii, jj]
-        if self._checks_warm_up:
-            ready = (acc | fresh) & (self.accepted == cfg.warmup)
+                warm[idx[took], now_accepted[took] - 1] = sample[took]
+            ready = (acc | fresh) & (now_accepted == cfg.warmup)
             if ready.any():
-                ii, jj = np.nonzero(ready)
-                maybe = self._maybe_far(self.warm[ii, jj, :])
-                for i, j in zip(ii[maybe].tolist(), jj[maybe].tolist(), strict=True):
-                    self._reseed(i, j)
-        if probed is None:
-            self.loss += self.a_loss * (lost.astype(np.float64) - self.loss)
-            self.misses = np.where(lost, self.misses + 1, 0).astype(np.int32)
-        else:
-            self.loss += np.where(probed, self.a_loss * (lost.astype(np.float64) - self.loss), 0.0)
-            self.misses = np.where(lost, self.misses + 1, np.where(probed, 0, self.misses))
-            self.misses = self.misses.astype(np.int32)
+                ri = idx[ready]
+                maybe = self._maybe_far(warm[ri, :])
+                n = self.srtt.shape[1]
+                for flat in ri[maybe].tolist():
+                    self._reseed(flat // n, flat % n)
+        loss_f = _flat(self.loss)
+        loss_f[idx] += self.a_loss * (lost.astype(np.float64) - loss_f[idx])
+        _flat(self.misses)[idx] = np.where(lost, misses + 1, 0)
 
     def _restart(self, i: int, j: int, scale: float) -> None:
         """Link (i, j)'s outliers so far, if they are a real change (estimate.py)."""
@@ -210,9 +233,11 @@ class LinkEstimator:
 
     def jitter_rows(self, rows: npt.NDArray[np.intp] | None) -> FloatArray:
         """``jitter`` of the links from ``rows`` only (None: all)."""
-        var_, samples = (
-            (self.var, self.samples) if rows is None else (self.var[rows], self.samples[rows])
-        )
+        if rows is None:
+            return self._jitter_of(self.var, self.samples)
+        return self._jitter_of(self.var[rows], self.samples[rows])
+
+    def _jitter_of(self, var_: FloatArray, samples: npt.NDArray[np.int64]) -> FloatArray:
         gain = self._var_gain[np.minimum(samples, _TABLE - 1)]
         with np.errstate(divide="ignore", invalid="ignore"):
             var = np.where(gain > 0, var_ / gain, 0.0)
