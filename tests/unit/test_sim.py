@@ -147,6 +147,22 @@ def test_five_fold_delay_rise_moves_routes_in_the_agents_reaction_time(
     assert r.max_changes_pair == [("x", "y", 2)]
 
 
+@pytest.mark.parametrize("at", [40.0, 40.2])
+def test_a_step_is_confirmed_when_the_third_outliers_reply_arrives(at: float) -> None:
+    """A probe's RTT reaches the estimator with its reply, as in the prober: a step to a
+    slower link is confirmed one new RTT after its third outlier left. So the reaction
+    grows with the RTT the step adds (fed at once, the 16-node twin's degradation to a
+    650 ms link was 0.5-0.65 s quicker in the simulator than in the lab)."""
+    topo = mesh("xyz", DEGRADE, default_ms=8.0)
+    react = {}
+    for one_way in (50, 200):  # RTT 100 or 400 ms: 0.3 s more to wait
+        r = run(topo, f"at={at}s link=x-y delay={one_way}ms", duration_s=60.0, budget=None)
+        react[one_way] = only_event(r).converge_s
+    assert react[50] is not None and react[200] is not None
+    assert REACT[0] + 0.1 <= react[50] <= REACT[1] + 0.1
+    assert react[200] - react[50] == pytest.approx(0.3, abs=0.1)
+
+
 @pytest.mark.parametrize("delay", ["40ms", "150ms"])  # five-fold, and the README's example
 def test_europe_fra_waw_delay_rise_is_not_converged_in_zero_seconds(delay: str) -> None:
     """fra-waw (8 ms one way) carries mad->waw and fra->waw; they must move, and that
