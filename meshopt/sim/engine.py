@@ -6,7 +6,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
 1. events due change the underlay (the ground truth);
 2. every ``probe_interval_s`` (the agent's 0.33 s) one probe per tunnel direction is
    drawn from the underlay (normal noise with the link's jitter as standard deviation,
-   as in topology files and the lab's shaper; losses from its loss) and fed to the
+   as in topology files and the lab's shaper; losses from its loss) and fed, as each
+   reply arrives (one RTT after its probe, in the tick it lands in), to the
    agents' estimator (:class:`meshopt.sim.estimator.LinkEstimator`, the agent's
    :mod:`meshopt.estimate` rules vectorised, robust outlier rule included) and the
    prober's window (loss and samples over the last 64 probes). With the probe budget
