@@ -16,9 +16,10 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    interval (2 s), on its phase (the two ends of a tunnel half an interval apart), and
    fast again while its estimator has outliers to confirm. A peer
    that has not answered for its class's dead time (0.8 s in use, 4.84 s idle) is
-   declared dead at that moment, as the prober's timer does. A dead peer is found
-   alive again within the round in which any of the prober's revival cues reaches it
-   (:func:`revive_spread`: a dead peer's probe heard, another dead peer answering).
+   declared dead at that moment, as the prober's timer does. A dead peer is probed
+   within the round in which any of the prober's revival cues reaches it
+   (:func:`revive_spread`: a dead peer's probe heard, another dead peer answering) and
+   found alive when that answer arrives (:func:`revival_times`).
    An agent not started yet neither probes nor answers;
 3. each agent checks its telemetry every second (the agent's ``check_interval_s``): the
    peers whose report moved by the agent's own rule
@@ -630,6 +631,23 @@ def revive_spread(
         found |= answered
 
 
+def revival_times(
+    back: BoolArray, found: BoolArray, got: BoolArray, reply_at: FloatArray, sent_at: float
+) -> FloatArray:
+    """When each revived link's answer reaches its prober (inf elsewhere): a dead peer
+    that answered the round's probe, at its reply; one probed early by
+    :func:`revive_spread`, its own RTT after the cue (another dead peer's reply, or
+    this peer's probe heard half its RTT after it left); one found through another
+    early answer, two RTTs after the round. The agent tells a return when it knows it."""
+    rtt_s = reply_at - sent_at
+    t = np.where(back, reply_at, np.inf)
+    heard = np.where(got.T, sent_at + rtt_s.T / 2.0, np.inf)  # [i, j]: i heard j's probe
+    cue = np.minimum(t.min(axis=1)[:, None], heard)
+    early = np.where(np.isfinite(cue), cue + rtt_s, sent_at + 2.0 * rtt_s)
+    out: FloatArray = np.where(found & ~back, early, t)
+    return out
+
+
 @dataclass
 class _Handshakes:
     """WireGuard's first handshake on every tunnel, as the lab's agents start.
@@ -764,6 +782,7 @@ def simulate(
     dead = np.zeros((n, n), dtype=bool)
     waiting = np.zeros(0, dtype=np.intp)  # links whose dead timer runs (flat indices)
     inflight = _InFlight()
+    reviving_at = np.full((n, n), np.inf)  # a dead link's answer, on its way
     dead_at = np.zeros(0)
     use = _InUse(installed, tunnel)
     hop_changes = 0
@@ -830,7 +849,9 @@ def simulate(
             # outage's losses forgotten and its estimate as it was.
             back = got & dead
             if back.any() or (dead & got.T).any():
-                back |= revive_spread(dead, back, got, draw_lost)
+                found = revive_spread(dead, back, got, draw_lost)
+                back_at = revival_times(back, found, got, reply_at, sent_at)
+                back |= found
             if dead.any():
                 probed, got, every = probed & ~dead, got & ~dead, False
             if back.any():
@@ -858,18 +879,24 @@ def simulate(
                 got = got | again
             if budget is not None:
                 budget.sent(probed, sent_at)
-            if back.any():  # a dead peer answered: alive again at once, and told at once
-                flips.append(np.flatnonzero(back.ravel()))
-                dead = dead & ~back
-                rows = np.flatnonzero(back.any(axis=1))
-                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
-                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
+            if back.any():  # alive again when the answer arrives (below)
+                np.minimum(reviving_at, np.where(back, back_at, np.inf), out=reviving_at)
             # Only a link that did not answer this round can be declared dead before the
             # next one (dead_after_s exceeds the probe interval): its timer is watched.
             waiting = np.flatnonzero((np.isfinite(agents.last_reply) & ~dead & ~got).ravel())
             dead_at = agents.last_reply.ravel()[waiting] + (
                 cfg.dead_after_s if budget is None else budget.dead_after(waiting)
             )
+        if np.isfinite(reviving_at).any():
+            back = dead & (reviving_at <= now + 1e-9)
+            if back.any():  # a dead peer answered: alive again, and told at once
+                reviving_at[back] = np.inf
+                flips.append(np.flatnonzero(back.ravel()))
+                dead = dead & ~back
+                rows = np.flatnonzero(back.any(axis=1))
+                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
+                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
+            reviving_at[~dead] = np.inf
         if inflight.rounds:
             stepped = inflight.deliver(est, now)
             if stepped:  # a confirmed step: the agent tells at once (TELL_GAP_S apart)

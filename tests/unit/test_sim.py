@@ -13,7 +13,7 @@ from meshopt.graph import topology_costs
 from meshopt.policy import PolicyConfig
 from meshopt.probe.budget import BudgetConfig
 from meshopt.routing import compute_routes
-from meshopt.sim.engine import SimConfig, revive_spread, simulate
+from meshopt.sim.engine import SimConfig, revival_times, revive_spread, simulate
 from meshopt.sim.estimator import LinkEstimator
 from meshopt.sim.events import Event, parse_event
 from meshopt.sim.report import EventResult, SimReport
@@ -581,3 +581,25 @@ def test_a_returning_node_is_found_on_all_its_links_in_one_round() -> None:
     none = np.zeros_like(dead)
     assert not revive_spread(dead, none, none, lambda: calls.append(1) or cut).any()
     assert calls == []
+
+
+def test_a_return_is_known_when_its_answer_arrives() -> None:
+    """As in the lab, a dead peer is alive again when its answer reaches the prober, not
+    when the probe leaves: d's probe to a (sent at 10.0 s, 40 ms RTT) is answered at
+    10.04; d's early probes to b and c leave then and come back one RTT later; a heard
+    d's probe half its RTT after it left and probes d at once; b and c, which heard
+    nothing this round, learn of d from d's early probes, two RTTs after the round."""
+    n, at = 4, 10.0
+    rtt = np.full((n, n), 0.04)
+    rtt[3, 1] = rtt[1, 3] = 0.2
+    dead = np.zeros((n, n), dtype=bool)
+    dead[3, :3] = dead[:3, 3] = True
+    back = np.zeros_like(dead)
+    back[3, 0] = True
+    found = revive_spread(dead, back, back.copy(), lambda: np.zeros((n, n), dtype=bool))
+    t = revival_times(back, found, back.copy(), at + rtt, at)
+    assert t[3, 0] == pytest.approx(10.04)  # its own reply
+    assert t[3, 1] == pytest.approx(10.04 + 0.2) and t[3, 2] == pytest.approx(10.08)
+    assert t[0, 3] == pytest.approx(10.02 + 0.04)  # a heard d at 10.02
+    assert t[1, 3] == pytest.approx(10.4) and t[2, 3] == pytest.approx(10.08)
+    assert np.isinf(t[~dead]).all()
