@@ -163,6 +163,20 @@ def test_a_step_is_confirmed_when_the_third_outliers_reply_arrives(at: float) ->
     assert react[200] - react[50] == pytest.approx(0.3, abs=0.1)
 
 
+def test_agents_sharing_cpus_install_a_burst_one_after_another() -> None:
+    """x->y and y->x move to z in one decision: two route sets. With ``install_each_s``
+    (the lab's agents share two cores) the second agent installs that much after the
+    first, and the pairs converge when it has; the first install moves nothing else."""
+    topo = mesh("xyz", DEGRADE, default_ms=8.0)
+    event = "at=40s link=x-y delay=50ms"
+    alone = only_event(run(topo, event, duration_s=60.0, budget=None))
+    shared = only_event(run(topo, event, duration_s=60.0, budget=None, install_each_s=0.5))
+    assert alone.converge_s is not None and shared.converge_s is not None
+    assert shared.converge_s - alone.converge_s == pytest.approx(0.5, abs=0.06)
+    assert shared.route_changes == alone.route_changes == 2
+    assert shared.hop_changes == alone.hop_changes == 2
+
+
 @pytest.mark.parametrize("delay", ["40ms", "150ms"])  # five-fold, and the README's example
 def test_europe_fra_waw_delay_rise_is_not_converged_in_zero_seconds(delay: str) -> None:
     """fra-waw (8 ms one way) carries mad->waw and fra->waw; they must move, and that
