@@ -157,17 +157,25 @@ def _windows(sc: Scenario, tl: Timeline) -> list[tuple[str, float, float]]:
 
 
 def sim_side(
-    sc: Scenario, tl: Timeline, seeds: int = 3, boot: tuple[float, float] | None = None
+    sc: Scenario,
+    tl: Timeline,
+    seeds: int = 3,
+    boot: tuple[float, float] | None = None,
+    install_each_s: float | None = None,
 ) -> dict[str, Any]:
     """The simulated figures per event, medians over ``seeds`` runs (and each run's).
 
     ``boot``: (earliest, latest) time the agents came up, as measured in the lab; None:
-    the simulator's default (2-3 s)."""
+    the simulator's default (2-3 s). ``install_each_s``: what each agent added to a
+    burst of route sets in the lab (:func:`install_each`); None: 0, every agent on its
+    own machine."""
     runs = []
     events = sc.sim_events(tl)
     extra: dict[str, float] = {}
     if boot is not None:
         extra = {"boot_s": boot[0], "boot_spread_s": max(boot[1] - boot[0], 0.0)}
+    if install_each_s is not None:
+        extra["install_each_s"] = install_each_s
     large = PolicyConfig().rel_margin
     for seed in range(seeds):
         cfg = SimConfig(
@@ -340,7 +348,7 @@ def lab_side(
     """One lab run of the scenario's timeline (root; minutes). ``keep``: keep the lab's
     logs and every next-hop reading there, one directory per run."""
     from meshopt.bench.cpuload import lag_window
-    from meshopt.lab.agents import BootWatch, agent_logs, agent_stalls, keep_logs
+    from meshopt.lab.agents import BootWatch, agent_installs, agent_logs, agent_stalls, keep_logs
     from meshopt.lab.lab import Lab
     from meshopt.lab.measure import outage_time
     from meshopt.lab.mesh import LiveMesh
@@ -449,6 +457,10 @@ def lab_side(
         for name, lo, hi in windows:
             out[name]["disturbed"] = touched(lo, hi)
         out["slowest_reading_s"] = reader.slowest
+        # How long a burst of route sets takes the agents that share the lab's CPUs
+        # (after the first routes, whose burst meets the agents' own start-up).
+        installs = [(at - wall0, took) for _, at, took in agent_installs(logs)]
+        out["install_each_s"] = install_each([x for x in installs if x[0] >= first_end])
         watch.join(timeout=1)
         ups = sorted(watch.up.values())
         out["agents_up_s"] = {"first": ups[0], "last": ups[-1], "count": len(ups)} if ups else None
@@ -615,8 +627,9 @@ def bench(
         if not sim_only:
             labs = [lab_side(sc, tl, k * 10 + r, progress, logs) for r in range(lab_runs)]
         boot = _boot(labs)
+        each = _med([x.get("install_each_s") for x in labs])
         started = time.monotonic()
-        sim = sim_side(sc, tl, seeds, boot)
+        sim = sim_side(sc, tl, seeds, boot, each)
         entry: dict[str, Any] = {
             "topology": topology,
             "nodes": sc.topo.n,
@@ -624,6 +637,7 @@ def bench(
                        "relay_pair": sc.relay_pair, "jitter_links": len(sc.jitter)},
             "sim_wall_s": time.monotonic() - started,
             "sim_boot_from_lab": boot,
+            "sim_install_each_from_lab": each,
             "sim": _strip(sim),
         }  # fmt: skip
         progress(f"{topology}: simulated in {entry['sim_wall_s']:.1f} s")
@@ -635,6 +649,23 @@ def bench(
         results.append(entry)
     out["topologies"] = results
     return out
+
+
+def install_each(installs: list[tuple[float, float]], gap_s: float = 0.1) -> float | None:
+    """Seconds each agent adds to a burst of route sets (arrivals less than ``gap_s``
+    apart): per burst of three or more, the spread of the install times over the number
+    of agents after the first; the median over bursts. A lab's agents share two cores,
+    so the last of 16 installs 0.1-0.6 s after the first: the simulator's
+    ``install_each_s``. None without such bursts. ``installs``: (arrived, took) pairs."""
+    bursts: list[list[float]] = []
+    last = -math.inf
+    for arrived, took in sorted(installs):
+        if arrived - last > gap_s:
+            bursts.append([])
+        bursts[-1].append(took)
+        last = arrived
+    each = [(max(b) - min(b)) / (len(b) - 1) for b in bursts if len(b) >= 3]
+    return statistics.median(each) if each else None
 
 
 def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:

@@ -256,10 +256,16 @@ _STALL = re.compile(
 )
 
 
-def agent_stalls(logs: Mapping[str, Path]) -> list[tuple[str, float, float]]:
-    """(node, wall-clock time it woke, seconds it was late) for every stall an agent's
-    prober logged (at least 0.5 s: its whole process did not run, a busy or paused
-    machine). A benchmark reads them as the lab failing to keep time, not as routing."""
+_INSTALLED = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ \S+ route set v\d+ installed (\d+) ms "
+    r"after it arrived"
+)
+
+
+def _log_lines(
+    logs: Mapping[str, Path], pattern: re.Pattern[str]
+) -> list[tuple[str, float, re.Match[str]]]:
+    """(node, wall-clock time, match) of every line of the agents' logs ``pattern`` matches."""
     out = []
     for node, path in logs.items():
         try:
@@ -267,12 +273,29 @@ def agent_stalls(logs: Mapping[str, Path]) -> list[tuple[str, float, float]]:
         except OSError:
             continue
         for line in lines:
-            m = _STALL.match(line)
+            m = pattern.match(line)
             if m is None:
                 continue
             stamp = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")  # local time
-            out.append((node, stamp.timestamp() + int(m.group(2)) / 1000, float(m.group(3))))
+            out.append((node, stamp.timestamp() + int(m.group(2)) / 1000, m))
     return sorted(out, key=lambda x: x[1])
+
+
+def agent_installs(logs: Mapping[str, Path]) -> list[tuple[str, float, float]]:
+    """(node, wall-clock time a route set arrived, seconds until it was in the kernel)
+    for every route set the agents logged installing."""
+    out = []
+    for node, at, m in _log_lines(logs, _INSTALLED):
+        took = int(m.group(3)) / 1000
+        out.append((node, at - took, took))
+    return sorted(out, key=lambda x: x[1])
+
+
+def agent_stalls(logs: Mapping[str, Path]) -> list[tuple[str, float, float]]:
+    """(node, wall-clock time it woke, seconds it was late) for every stall an agent's
+    prober logged (at least 0.5 s: its whole process did not run, a busy or paused
+    machine). A benchmark reads them as the lab failing to keep time, not as routing."""
+    return [(node, at, float(m.group(3))) for node, at, m in _log_lines(logs, _STALL)]
 
 
 def agent_logs(lab: Lab, nodes: Sequence[str]) -> dict[str, Path]:

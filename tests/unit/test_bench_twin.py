@@ -15,12 +15,13 @@ from meshopt.bench.twin import (
     _lab_medians,
     compare,
     exact_ties,
+    install_each,
     mode_routes,
     same_routes,
     scenario,
     sim_side,
 )
-from meshopt.lab.agents import agent_stalls
+from meshopt.lab.agents import agent_installs, agent_stalls
 
 SHORT = Timeline(degrade_at=20.0, fail_at=30.0, restore_after=10.0, jitter_at=45.0, jitter_s=15.0)
 
@@ -124,6 +125,33 @@ def test_agent_stalls_are_read_from_the_agents_logs(tmp_path: Path) -> None:
     ((node, at, late),) = agent_stalls({"a": log, "b": tmp_path / "missing.log"})
     assert node == "a" and late == 1.51
     assert at == datetime(2026, 11, 28, 9, 4, 32, 145000).timestamp()
+
+
+def test_route_set_installs_are_read_from_the_agents_logs(tmp_path: Path) -> None:
+    from datetime import datetime
+
+    log = tmp_path / "a.log"
+    log.write_text(
+        "2026-11-28 09:04:31,114 meshopt.agent INFO route set v17958 from ctl1: 30 routes\n"
+        "2026-11-28 09:04:31,352 meshopt.agent INFO route set v17958 installed 238 ms after "
+        "it arrived\n"
+    )
+    ((node, arrived, took),) = agent_installs({"a": log, "b": tmp_path / "missing.log"})
+    assert node == "a" and took == 0.238
+    assert arrived == pytest.approx(datetime(2026, 11, 28, 9, 4, 31, 114000).timestamp())
+
+
+def test_what_each_agent_adds_to_a_burst_of_route_sets() -> None:
+    """Sixteen agents on two cores install a burst one after another: the spread of a
+    burst's install times over the agents after the first, the median over bursts."""
+    burst = [(60.0 + 0.002 * k, 0.03 + 0.025 * k) for k in range(15)]  # 25 ms each
+    other = [(75.0 + 0.001 * k, 0.02 + 0.04 * k) for k in range(4)]  # 40 ms each
+    third = [(90.0, 0.05), (90.01, 0.08), (90.02, 0.14)]  # 45 ms each
+    assert install_each(burst + other + third) == pytest.approx(0.040)
+    assert install_each(burst) == pytest.approx(0.025)
+    # Lone installs and pairs are no burst.
+    assert install_each([(10.0, 0.05), (20.0, 0.3), (20.05, 0.5)]) is None
+    assert install_each([]) is None
 
 
 def test_lab_windows_an_agent_stall_touched_are_left_out_while_calm_runs_remain() -> None:
