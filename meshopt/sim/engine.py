@@ -34,7 +34,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    by :meth:`meshopt.controller.engine.RouteEngine.decide` (routes, the degradation
    release, the anti-flap policy) with the start-up policy
    (:func:`meshopt.controller.engine.startup_policy`); the routes reach the agents
-   ``install_s`` later. Above 300 nodes recomputes are at least ``recompute_s`` apart;
+   ``install_s`` later (with ``install_each_s``, agents that share CPUs, as the lab's
+   do, one after another). Above 300 nodes recomputes are at least ``recompute_s`` apart;
 5. an agent whose next hop was declared dead fails over by the agent's own rule
    (:func:`meshopt.agent.plan.next_hop_in_use`) to the backup the route set carries, or
    withdraws the route (the plain WireGuard route: the direct tunnel);
