@@ -416,7 +416,13 @@ class ControllerCore:
                 and not tables_moved(self._tables.get(name), t.table)
             )
             self._tables[name] = t.table
-        if changed and not t.full and self._revives(name, t):
+        # A full snapshot tells a link back as a change report does (the agent sends one
+        # when it is due, revivals in it or not). It set no hold, and compared with the
+        # last full snapshot (from before the link died) it could pass for noise: the
+        # likely way the 16-node lab's returning relay was recomputed before its links
+        # had all told, and came back through one of them (46 and 55 changes).
+        if changed and self._revives(name, t):
+            routine = False
             cfg = self.cfg
             if self.revived_at is None:
                 self.revived_at = now
@@ -722,8 +728,8 @@ class ControllerCore:
         return True
 
     def _revives(self, name: str, t: Telemetry) -> bool:
-        """Whether this change report has a link alive that the last recompute had down
-        (a node's return, or a tunnel's)."""
+        """Whether this report (a change report or a full snapshot) has a link alive
+        that the last recompute had down (a node's return, or a tunnel's)."""
         c = self.last
         if c is None or not c.names:
             return False

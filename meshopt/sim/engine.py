@@ -1085,8 +1085,8 @@ def _report(
     """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
     (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
     full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`).
-    True if a change report told a link alive that the controller had dead (the
-    controller's ``revive_*`` wait)."""
+    True if a report (a change report or a full snapshot) told a link alive that the
+    controller had dead (the controller's ``revive_*`` wait)."""
     a = agents
     got = _popcount(a.got_bits[rows]).astype(np.float64)
     lost = _popcount(a.lost_bits[rows]).astype(np.float64)
@@ -1106,7 +1106,7 @@ def _report(
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
-    revived = bool(((a.pub_alive[rows] == 0) & (alive == 1) & moved & ~full).any())
+    revived = bool(((a.pub_alive[rows] == 0) & (alive == 1) & moved).any())
     a.pub_alive[ri, ci] = alive[take]
     a.pub_rtt[ri, ci] = rtt[take]
     a.pub_jitter[ri, ci] = est.jitter_rows(rows)[take]

@@ -318,3 +318,26 @@ def test_a_restarted_agent_gets_its_route_set_again_even_unchanged() -> None:
     assert m.due()
     out = core.recompute_now(m.now, WALL + m.now)
     assert [p.node for p in out if p.node is not None] == [names[0]]
+
+
+def test_a_full_snapshot_telling_a_link_back_holds_the_recompute_and_is_no_noise() -> None:
+    """An agent sends a full snapshot when one is due, a peer's return in it or not.
+    Compared with its last full snapshot (from before the peer died) it is no change at
+    all, so it was batched as noise and set no hold: the recompute ran on the change
+    reports alone. It now holds the recompute as a change report does."""
+    m = Mesh()
+    core = m.core
+    c = m.mesh.nodes[2].wg_key
+    m.settled()
+    for i in (0, 1):
+        m.send(i, _alive(m.peers[i], c, False), full=False)
+    m.send(2, [msgspec.structs.replace(p, alive=False, rtt_ms=None) for p in m.peers[2]])
+    m.now += core.cfg.debounce_s + 0.01
+    m.recompute()
+    m.now += 5.0
+    m.send(0, m.peers[0])  # a's full snapshot, c alive in it as before it died
+    assert core.revived_at == m.now and core.prompt
+    m.now += core.cfg.debounce_s + 0.01
+    assert not m.due()  # b and c have not told yet
+    m.now += core.cfg.revive_quiet_s
+    m.recompute()
