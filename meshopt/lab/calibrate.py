@@ -23,7 +23,11 @@ _log = logging.getLogger(__name__)
 ONE_WAY_MS = 4.0  # the pair's delay while measuring: above any allowance, and under 10 ms
 # of RTT, where ping prints hundredths (from 10 ms on, tenths)
 COUNT = 30  # pings a round
-INTERVAL_S = 0.005
+# The interval the lab's tests and users ping at. What wireguard-go adds depends on how
+# long its processes sleep between packets: after a fit at 5 ms, the same path read
+# 0.1 ms higher at 10 ms and 0.3 ms higher at 50 ms here, and a CI machine, whose
+# tunnels add twice as much, read a 10 ms path 0.6 ms high right after a fit at 5 ms.
+INTERVAL_S = 0.01
 ROUNDS = 6  # at most; a round whose median is within SETTLED_MS of the truth ends it
 SETTLED_MS = 0.05
 # More than this a hop means something else is wrong (a machine that cannot keep time):
@@ -40,6 +44,8 @@ class Calibration:
     residual_ms: float  # last round's median RTT minus the configured RTT
     rounds: int
     capped: bool
+    # every round's (allowance µs, residual ms): a lab test that reads off shows them
+    history: tuple[tuple[float, float], ...] = ()
 
 
 Pinger = Callable[[int, float], list[float]]  # (count, interval) -> RTTs in ms
@@ -54,8 +60,9 @@ def next_latency_us(residual_ms: float, current_us: float) -> float:
 @dataclass(frozen=True)
 class Fit:
     latency_us: float  # the allowance left in force
-    residual_ms: float  # what the last round read off with the allowance it ran under
+    residual_ms: float  # what the last round read off, under that allowance
     rounds: int
+    history: tuple[tuple[float, float], ...] = ()
 
 
 def fit(measure: Callable[[float], float | None], start_us: float) -> Fit | None:
@@ -64,23 +71,23 @@ def fit(measure: Callable[[float], float | None], start_us: float) -> Fit | None
 
     Each round estimates the allowance (what would have made it read true). The next
     allowance is the median of every estimate so far, not the last one alone: a round
-    hit by a stall (30 pings span 150 ms; one wireguard-go hiccup there moved the last
+    hit by a stall (30 pings at 5 ms spanned 150 ms; one wireguard-go hiccup there moved the last
     round's median by 0.75 ms in CI) would otherwise set an allowance that no round ever
     checked, and the lab would read that far off until calibrated again. The fit ends
-    when the allowance in force reads true, or after ROUNDS on the median estimate.
+    when the allowance in force reads true, or after ROUNDS on the median estimate, which
+    one more round then checks: the residual reported is always the allowance's own.
     """
     latency, estimates = start_us, []
-    residual = 0.0
-    for rounds in range(1, ROUNDS + 1):
+    history: list[tuple[float, float]] = []
+    while True:
         got = measure(latency)
         if got is None:
             return None
-        residual = got
-        if abs(residual) <= SETTLED_MS:
-            return Fit(latency, residual, rounds)
-        estimates.append(next_latency_us(residual, latency))
+        history.append((round(latency, 1), round(got, 3)))
+        if abs(got) <= SETTLED_MS or len(history) > ROUNDS:
+            return Fit(latency, got, len(history), tuple(history))
+        estimates.append(next_latency_us(got, latency))
         latency = statistics.median(estimates)
-    return Fit(latency, residual, ROUNDS)
 
 
 def calibrate(
@@ -118,6 +125,7 @@ def calibrate(
             round(got.residual_ms, 3),
             got.rounds,
             got.latency_us >= MAX_LATENCY_US,
+            got.history,
         )
     finally:
         for a, b in both:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from meshopt.lab.calibrate import MAX_LATENCY_US, SETTLED_MS, fit, next_latency_us
+from meshopt.lab.calibrate import MAX_LATENCY_US, ROUNDS, SETTLED_MS, fit, next_latency_us
 
 
 def test_a_path_reading_high_gets_more_taken_off() -> None:
@@ -47,6 +47,7 @@ def test_one_stalled_round_does_not_set_the_allowance(stall_round: int | None) -
     # A quiet machine: what is left in force read true in the last round.
     assert got.latency_us == pytest.approx(180.0, abs=1.0)
     assert seen[-1] == got.latency_us and abs(got.residual_ms) <= SETTLED_MS
+    assert [us for us, _ in got.history] == pytest.approx(seen, abs=0.05)
 
 
 @pytest.mark.parametrize("stall_round", [None, 1, 2, 3, 4, 5, 6])
@@ -54,11 +55,32 @@ def test_a_noisy_machine_with_a_stalled_round_ends_near_the_truth(
     stall_round: int | None,
 ) -> None:
     """Rounds that never settle end on the median estimate: never the stalled round's
-    375 µs alone, even when it is the last."""
-    measure, _ = _machine(180.0, stall_round=stall_round, noise_ms=0.1)
+    375 µs alone, even when it is the last. One more round checks it, so the residual
+    reported is what the allowance left in force reads."""
+    measure, seen = _machine(180.0, stall_round=stall_round, noise_ms=0.1)
     got = fit(measure, 400.0)
     assert got is not None
     assert got.latency_us == pytest.approx(180.0, abs=60.0)  # noise: 50 µs a hop
+    assert got.rounds == len(seen) == len(got.history)
+    assert seen[-1] == got.latency_us == got.history[-1][0]
+    assert got.residual_ms == got.history[-1][1]
+
+
+def test_a_fit_that_never_settles_checks_the_allowance_it_leaves() -> None:
+    """Every round reads 0.3 ms high (a machine getting slower as it goes): after ROUNDS
+    estimates, one more round runs under the allowance left in force and its residual is
+    the one reported, not a residual measured under an allowance since replaced."""
+    seen: list[float] = []
+
+    def measure(allowance_us: float) -> float:
+        seen.append(allowance_us)
+        return 0.3
+
+    got = fit(measure, 250.0)
+    assert got is not None
+    assert got.rounds == ROUNDS + 1 == len(seen) == len(got.history)
+    assert seen[-1] == got.latency_us == got.history[-1][0] != seen[-2]
+    assert got.residual_ms == 0.3
 
 
 def test_lost_pings_end_the_fit() -> None:
