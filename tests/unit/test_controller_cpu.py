@@ -171,6 +171,17 @@ class Mesh:
         self.now += 1.0
         self.recompute()
 
+    def cut_off(self, i: int) -> None:
+        """Node ``i`` cut off: its peers tell it dead, it tells them all dead; recomputed
+        at once after the debounce."""
+        key = self.mesh.nodes[i].wg_key
+        for j in range(3):
+            if j != i:
+                self.send(j, _alive(self.peers[j], key, False), full=False)
+        self.send(i, [msgspec.structs.replace(p, alive=False, rtt_ms=None) for p in self.peers[i]])
+        self.now += self.core.cfg.debounce_s + 0.01
+        self.recompute()
+
 
 def _scaled(peers: list[PeerReport], factor: float) -> list[PeerReport]:
     return [
@@ -261,12 +272,7 @@ def test_links_coming_back_hold_the_recompute_until_they_have_all_told() -> None
     assert 0 < quiet < most
     c = m.mesh.nodes[2].wg_key
     m.settled()
-    # c is cut off: both its peers tell it dead; recomputed at once after the debounce.
-    for i in (0, 1):
-        m.send(i, _alive(m.peers[i], c, False), full=False)
-    m.send(2, [msgspec.structs.replace(p, alive=False, rtt_ms=None) for p in m.peers[2]])
-    m.now += core.cfg.debounce_s + 0.01
-    m.recompute()
+    m.cut_off(2)
     # c is back: a's report first, b's 0.25 s later, c's own 0.25 s after that.
     m.now += 5.0
     m.send(0, _alive(m.peers[0], c, True), full=False)
@@ -327,13 +333,8 @@ def test_a_full_snapshot_telling_a_link_back_holds_the_recompute_and_is_no_noise
     reports alone. It now holds the recompute as a change report does."""
     m = Mesh()
     core = m.core
-    c = m.mesh.nodes[2].wg_key
     m.settled()
-    for i in (0, 1):
-        m.send(i, _alive(m.peers[i], c, False), full=False)
-    m.send(2, [msgspec.structs.replace(p, alive=False, rtt_ms=None) for p in m.peers[2]])
-    m.now += core.cfg.debounce_s + 0.01
-    m.recompute()
+    m.cut_off(2)
     m.now += 5.0
     m.send(0, m.peers[0])  # a's full snapshot, c alive in it as before it died
     assert core.revived_at == m.now and core.prompt
