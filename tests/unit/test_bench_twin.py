@@ -19,6 +19,7 @@ from meshopt.bench.twin import (
     mode_routes,
     same_routes,
     scenario,
+    self_agreement,
     sim_side,
 )
 from meshopt.lab.agents import agent_installs, agent_stalls
@@ -93,6 +94,16 @@ def test_final_routes_are_each_pairs_most_common_next_hop_over_runs() -> None:
     assert mode_routes([two, one]) == two  # a tie: the earlier run's
     assert mode_routes([None, one]) == one
     assert mode_routes([None]) is None
+
+
+def test_a_sides_self_agreement_is_the_median_over_every_two_runs() -> None:
+    one = {"x": {"y": "y", "z": "y"}, "y": {"x": "x"}}
+    two = {"x": {"y": "y", "z": "z"}, "y": {"x": "x"}}
+    # one-one 1, one-two 2/3, one-two 2/3: the median is 2/3
+    assert self_agreement([one, one, two]) == pytest.approx(2 / 3)
+    assert self_agreement([one, one, one, one, two]) == 1.0  # six of ten pairs are 1
+    assert self_agreement([one, None]) is None
+    assert self_agreement([one]) is None
 
 
 def test_exact_ties_are_differing_next_hops_over_paths_of_equal_rtt() -> None:
