@@ -5,6 +5,7 @@ sim`` and in the lab, side by side; prints JSON. See meshopt/bench/twin.py.
     .venv/bin/python scripts/bench_twin.py --sim-only          # seconds, no root
     .venv/bin/python scripts/bench_twin.py                     # + the lab (root, minutes)
     .venv/bin/python scripts/bench_twin.py --lab-runs 3 --topologies topologies/bench8.yaml
+    .venv/bin/python scripts/bench_twin.py --cpu-load 2       # the lab on a busy machine
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from meshopt.bench.cpuload import MAX_LOAD
 from meshopt.bench.twin import TOPOLOGIES, Timeline, bench, table
 from meshopt.sim.report import json_safe
 
@@ -28,7 +30,16 @@ def main() -> int:
     ap.add_argument("--lab-runs", type=int, default=1, help="lab runs per topology")
     ap.add_argument("--jitter-s", type=float, default=60.0, help="length of the jitter period")
     ap.add_argument("--logs", type=Path, help="keep each lab run's logs and readings here")
+    ap.add_argument(
+        "--cpu-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N busy processes (a core each) beside every lab run, as a shared VM has",
+    )
     args = ap.parse_args()
+    if not 0 <= args.cpu_load <= MAX_LOAD:
+        ap.error(f"--cpu-load {args.cpu_load}: give 0..{MAX_LOAD} busy processes")
     tl = Timeline(jitter_s=args.jitter_s)
     out = bench(
         tuple(args.topologies),
@@ -38,6 +49,7 @@ def main() -> int:
         timeline=tl,
         progress=lambda m: print(m, file=sys.stderr, flush=True),
         logs=args.logs,
+        cpu_load_n=args.cpu_load,
     )
     print(json.dumps(json_safe(out), indent=1))
     if not args.sim_only:

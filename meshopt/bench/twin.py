@@ -628,15 +628,24 @@ def bench(
     timeline: Timeline | None = None,
     progress: Progress = lambda _: None,
     logs: Path | None = None,
+    cpu_load_n: int = 0,
 ) -> dict[str, Any]:
+    """``cpu_load_n`` busy processes run beside each lab run (the shared VM a real mesh
+    runs on); the simulator is told only what the lab measured (boot, installs)."""
+    from meshopt.bench.cpuload import cpu_load
+
     tl = timeline or Timeline()
     out: dict[str, Any] = {"timeline": tl.__dict__, "sim_seeds": seeds, "lab_runs": lab_runs}
+    out["cpu_load"] = 0 if sim_only else cpu_load_n
     results = []
     for k, topology in enumerate(topologies):
         sc = scenario(topology)
         labs: list[dict[str, Any]] = []
-        if not sim_only:
-            labs = [lab_side(sc, tl, k * 10 + r, progress, logs) for r in range(lab_runs)]
+        for r in range(0 if sim_only else lab_runs):
+            with cpu_load(cpu_load_n) as busy:
+                if busy:
+                    progress(f"{len(busy)} busy processes beside the lab: pids {busy}")
+                labs.append(lab_side(sc, tl, k * 10 + r, progress, logs))
         boot = _boot(labs)
         each = _med([x.get("install_each_s") for x in labs])
         started = time.monotonic()
