@@ -134,3 +134,9 @@ class LinkBudget:
         rows = links // n
         fast = self.in_use.ravel()[links]
         return np.where(fast, self.config.fast_dead_after_s, self.idle_dead_s[rows])
+
+    def interval_of(self, links: npt.NDArray[np.intp]) -> FloatArray:
+        """The probe interval of ``links`` (flat indices) at their class."""
+        n = self.tunnel.shape[0]
+        fast = self.in_use.ravel()[links]
+        return np.where(fast, self.config.fast_interval_s, self.idle_s[links // n])

@@ -30,7 +30,7 @@ SHORT = Timeline(degrade_at=20.0, fail_at=30.0, restore_after=10.0, jitter_at=45
 @cache
 def demo() -> tuple[Scenario, dict[str, Any]]:
     sc = scenario("topologies/demo.yaml")
-    return sc, sim_side(sc, SHORT, seeds=2)
+    return sc, sim_side(sc, SHORT, seeds=3)
 
 
 def test_the_demo_scenario_is_read_from_the_topology() -> None:
@@ -46,7 +46,7 @@ def test_the_demo_scenario_is_read_from_the_topology() -> None:
 
 def test_sim_side_reports_each_event_of_the_demo() -> None:
     sc, out = demo()
-    assert len(out["runs"]) == 2
+    assert len(out["runs"]) == 3
     # First routes after the agents' boot (2-3 s) and the warm-up: seconds, not 0.
     assert out["initial_converge_s"] is not None and 3.0 < out["initial_converge_s"] < 15.0
     deg, fail = out["degradation"], out["relay_failure"]
@@ -58,12 +58,15 @@ def test_sim_side_reports_each_event_of_the_demo() -> None:
     assert fail["hop_changes"] >= 2
     # The relay back: routes move back through it at once (its links start afresh, the
     # outage's losses forgotten), not after their probe windows slid past the outage,
-    # which left it to the jitter period. The jitter itself moves nothing.
+    # which left it to the jitter period.
     for run in out["runs"]:
         back = run["relay_restore"]
         assert back["outage_s"] == 0.0 and back["hop_changes"] >= 2
         assert back["converge_s"] is not None and back["converge_s"] <= 3.0
-        assert run["jitter"]["decided_changes"] == 0
+    # The jitter itself moves nothing, as in the lab's runs (the prediction is the
+    # median). A run may move ams-mad to ams-par-mad (28 ms both, the relay's jitter
+    # combining smaller) when its estimates' noise clears the margins: 1 seed of 10.
+    assert out["jitter"]["decided_changes"] == 0
     routes = out["jitter"]["routes"]
     assert routes is not None and set(routes) == set(sc.topo.names)
 
