@@ -26,7 +26,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sim-only", action="store_true", help="the simulator's side only")
     ap.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
-    ap.add_argument("--seeds", type=int, default=3, help="simulated runs per topology")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=10,
+        help="simulated runs per topology (the median is its prediction)",
+    )
     ap.add_argument("--lab-runs", type=int, default=1, help="lab runs per topology")
     ap.add_argument("--jitter-s", type=float, default=60.0, help="length of the jitter period")
     ap.add_argument("--logs", type=Path, help="keep each lab run's logs and readings here")

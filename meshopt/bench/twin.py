@@ -623,7 +623,7 @@ def bench(
     topologies: tuple[str, ...] = TOPOLOGIES,
     *,
     sim_only: bool = False,
-    seeds: int = 3,
+    seeds: int = 10,
     lab_runs: int = 1,
     timeline: Timeline | None = None,
     progress: Progress = lambda _: None,
