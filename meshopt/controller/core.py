@@ -226,6 +226,10 @@ class ControllerCore:
         # and until when the recompute waits for the rest (ControllerConfig.revive_*).
         self.revived_at: float | None = None
         self.revive_until = -math.inf
+        # Directed links told back since then, and those whose other end, dead in the
+        # last recompute and online, has still to tell: the hold lasts until it has.
+        self._told_back: set[tuple[int, int]] = set()
+        self.awaiting: set[tuple[int, int]] = set()
         # Dirty by more than routine snapshots (see recompute_due); the last recompute's
         # start and CPU time; each node's last snapshot table, to tell noise from moves.
         self.prompt = False
@@ -421,12 +425,19 @@ class ControllerCore:
         # last full snapshot (from before the link died) it could pass for noise: the
         # likely way the 16-node lab's returning relay was recomputed before its links
         # had all told, and came back through one of them (46 and 55 changes).
-        if changed and self._revives(name, t):
+        revived = self._revives(name, t) if changed else []
+        if revived:
             routine = False
             cfg = self.cfg
             if self.revived_at is None:
                 self.revived_at = now
-            self.revive_until = min(self.revived_at + cfg.revive_max_s, now + cfg.revive_quiet_s)
+            self._await_other_ends(revived)
+            # Until the other ends have told too (a link priced by its two ends is down
+            # while one of them says so): one 16-node run of three recomputed the
+            # returning relay 0.22 s after its last link came back, reports still on
+            # their way, and moved every route to it twice (42 changes).
+            quiet = cfg.revive_max_s if self.awaiting else cfg.revive_quiet_s
+            self.revive_until = min(self.revived_at + cfg.revive_max_s, now + quiet)
         if changed:  # a heartbeat only keeps the node fresh: nothing to recompute
             self.mark_dirty(now, routine=routine)
             if not routine:
@@ -576,6 +587,8 @@ class ControllerCore:
             self.urgent = False
             self.prompt = False
             self.revived_at = None
+            self._told_back.clear()
+            self.awaiting.clear()
         started = time.thread_time()
         try:
             return self.recompute(now, wall) if signed else self.plan(now, wall)
@@ -727,29 +740,44 @@ class ControllerCore:
             self._hot.append(key)
         return True
 
-    def _revives(self, name: str, t: Telemetry) -> bool:
-        """Whether this report (a change report or a full snapshot) has a link alive
-        that the last recompute had down (a node's return, or a tunnel's)."""
+    def _await_other_ends(self, revived: list[tuple[int, int]]) -> None:
+        """Note links told back; a link's other end is awaited while the last recompute
+        had it down from that end too and its node online (it will tell)."""
+        c = self.last
+        assert c is not None
+        told = self._told_back
+        told.update(revived)
+        self.awaiting.difference_update(revived)
+        cost, up = c.matrices.cost, c.matrices.up
+        for a, b in revived:
+            if (b, a) not in told and up[b] and not math.isfinite(cost[b, a]):
+                self.awaiting.add((b, a))
+
+    def _revives(self, name: str, t: Telemetry) -> list[tuple[int, int]]:
+        """The links (indices of the last recompute) this report (a change report or a
+        full snapshot) has alive that the last recompute had down from this end (a
+        node's return, or a tunnel's)."""
         c = self.last
         if c is None or not c.names:
-            return False
+            return []
         if self._last_index is None or self._last_index[0] is not c:
             self._last_index = (c, {n: i for i, n in enumerate(c.names)})
         index = self._last_index[1]
         a = index.get(name)
         if a is None:
-            return False
+            return []
         keys = [p.public_key for p in t.peers if p.alive]
         if t.table is not None and len(t.table):
             arr = _PeerArrays.of_table(t.table)
             keys += [k for k, alive in zip(arr.keys, arr.alive, strict=True) if alive == 1]
         owner = self.view._key_owner
         cost = c.matrices.cost
+        out = []
         for key in keys:
             b = index.get(owner.get(key, ""))
             if b is not None and b != a and not math.isfinite(cost[a, b]):
-                return True
-        return False
+                out.append((a, b))
+        return out
 
     def _link_events(self, name: str, t: Telemetry, *, in_view: bool) -> bool:
         """Links of ``name`` this telemetry reports dead, or far costlier than the last

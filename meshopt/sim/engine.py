@@ -830,6 +830,7 @@ def simulate(
     dirty_since: float | None = None
     revived_at: float | None = None  # links told back since the last recompute: the first
     revive_until = -np.inf
+    told_back = np.zeros((n, n), dtype=bool)  # links told back since then (the controller's)
     last_recompute = -np.inf
     next_round = probe_phase
     dead = np.zeros((n, n), dtype=bool)
@@ -1015,9 +1016,14 @@ def simulate(
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
         rows = np.flatnonzero(agents.next_check <= now + 1e-9)
         if rows.size:
-            if _report(agents, est, dead, rows, now, tel, tunnel):
+            revived = _report(agents, est, dead, rows, now, tel, tunnel)
+            if revived.size:
                 revived_at = now if revived_at is None else revived_at
-                revive_until = min(revived_at + ctl.revive_max_s, now + ctl.revive_quiet_s)
+                told_back.ravel()[revived] = True
+                quiet = (
+                    ctl.revive_max_s if _awaiting(told_back, agents, now) else ctl.revive_quiet_s
+                )
+                revive_until = min(revived_at + ctl.revive_max_s, now + quiet)
             if first_seen is None:
                 first_seen = now
             dirty_since = now if dirty_since is None else dirty_since
@@ -1044,6 +1050,7 @@ def simulate(
                 backups.computed = False
             dirty_since = None
             revived_at = None
+            told_back[:] = False
             last_recompute = now
             recomputes += 1
             t0 = clock()
@@ -1161,12 +1168,12 @@ def _report(
     now: float,
     tel: TelemetrySettings,
     tunnel: BoolArray,
-) -> bool:
+) -> IntArray:
     """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
     (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
     full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`).
-    True if a report (a change report or a full snapshot) told a link alive that the
-    controller had dead (the controller's ``revive_*`` wait)."""
+    The links (flat indices) a report (a change report or a full snapshot) told alive
+    that the controller had dead (the controller's ``revive_*`` wait)."""
     a = agents
     got = _popcount(a.got_bits[rows]).astype(np.float64)
     lost = _popcount(a.lost_bits[rows]).astype(np.float64)
@@ -1186,7 +1193,8 @@ def _report(
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
-    revived = bool(((a.pub_alive[rows] == 0) & (alive == 1) & moved).any())
+    back = (a.pub_alive[rows] == 0) & (alive == 1) & moved
+    revived: IntArray = (rows[:, None] * a.n + np.arange(a.n)[None, :])[back]
     a.pub_alive[ri, ci] = alive[take]
     a.pub_rtt[ri, ci] = rtt[take]
     a.pub_jitter[ri, ci] = est.jitter_rows(rows)[take]
@@ -1201,6 +1209,18 @@ def _report(
     told = (a.pub_alive[rows] == 0) | (a.pub_samples[rows] >= WARM_SAMPLES) | ~tunnel[rows]
     a.next_check[rows] += check_interval(told.all(axis=1), now - a.boot[rows], tel)
     return revived
+
+
+def _awaiting(told_back: BoolArray, agents: _Agents, now: float) -> bool:
+    """Whether a link told back has an other end still to tell: its own last report has
+    the link dead and its agent runs (the controller's ``awaiting``)."""
+    n = agents.n
+    flat = np.flatnonzero(told_back)
+    a, b = flat // n, flat % n
+    other = b * n + a
+    runs = agents.boot[b] <= now  # a node cut off still reports over management
+    wait = ~told_back.ravel()[other] & (agents.pub_alive.ravel()[other] == 0) & runs
+    return bool(wait.any())
 
 
 def _measured(agents: _Agents, tunnel: BoolArray, min_samples: int) -> bool:

@@ -340,5 +340,68 @@ def test_a_full_snapshot_telling_a_link_back_holds_the_recompute_and_is_no_noise
     assert core.revived_at == m.now and core.prompt
     m.now += core.cfg.debounce_s + 0.01
     assert not m.due()  # b and c have not told yet
-    m.now += core.cfg.revive_quiet_s
+    m.send(2, m.peers[2])  # c's full snapshot: a and b alive
+    assert not m.due() and core.awaiting  # b has not told
+    m.send(1, _alive(m.peers[1], m.mesh.nodes[2].wg_key, True), full=False)
+    assert not core.awaiting
+    m.now += core.cfg.revive_quiet_s - 0.01
+    assert not m.due()
+    m.now += 0.02
+    m.recompute()
+
+
+def test_a_returning_node_is_recomputed_once_both_ends_of_its_links_have_told() -> None:
+    """A link is priced by its two ends, and down while one of them says so. c comes
+    back and tells first; its peers' reports come 0.4 and 0.6 s later, after the 0.3 s
+    quiet. Recomputing on c's report alone routed to c through whichever peer had told
+    and moved again 0.4 s later (one 16-node lab run of three: 42 changes). The hold
+    lasts until the other ends have told, at most revive_max_s."""
+    m = Mesh()
+    core = m.core
+    quiet, most = core.cfg.revive_quiet_s, core.cfg.revive_max_s
+    assert quiet + 0.1 < 0.6 < most - 0.1
+    c = m.mesh.nodes[2].wg_key
+    m.settled()
+    m.cut_off(2)
+    m.now += 5.0
+    start = m.now
+    m.send(2, m.peers[2], full=False)  # c: both its peers alive
+    assert core.revived_at == start and len(core.awaiting) == 2
+    m.now = start + quiet + 0.05
+    assert not m.due()  # a and b have not told
+    m.now = start + 0.4
+    m.send(0, _alive(m.peers[0], c, True), full=False)
+    assert len(core.awaiting) == 1
+    m.now = start + 0.6
+    m.send(1, _alive(m.peers[1], c, True), full=False)
+    assert not core.awaiting
+    m.now = start + 0.6 + quiet - 0.01
+    assert not m.due()
+    m.now += 0.02
+    m.recompute()
+    # An end that never tells (its agent silent) holds the recompute revive_max_s at most.
+    m.cut_off(2)
+    m.now += 5.0
+    start = m.now
+    m.send(2, m.peers[2], full=False)
+    m.now = start + most - 0.01
+    assert not m.due()
+    m.now = start + most + 0.01
+    assert m.due()
+
+
+def test_a_link_only_one_end_had_down_awaits_nobody() -> None:
+    """a lost c (one-way: c still heard a): a telling c back is the whole story, and
+    the recompute comes after the quiet time, as before."""
+    m = Mesh()
+    core = m.core
+    c = m.mesh.nodes[2].wg_key
+    m.settled()
+    m.send(0, _alive(m.peers[0], c, False), full=False)
+    m.now += core.cfg.debounce_s + 0.01
+    m.recompute()
+    m.now += 5.0
+    m.send(0, _alive(m.peers[0], c, True), full=False)
+    assert core.revived_at == m.now and not core.awaiting
+    m.now += core.cfg.revive_quiet_s + 0.01
     m.recompute()
