@@ -556,6 +556,11 @@ class _Agents:
             boot=boot.copy(),
         )
 
+    def tell_soon(self, rows: IntArray, now: float) -> None:
+        """The agents ``rows`` tell at once what they found (at most every TELL_GAP_S)."""
+        soon = np.maximum(now, self.last_seen[rows] + TELL_GAP_S)
+        self.next_check[rows] = np.minimum(self.next_check[rows], soon)
+
     def probe(self, probed: BoolArray | None, got: BoolArray, reply_at: FloatArray) -> None:
         """One probe round: ``probed`` links sent one (None: all), ``got`` answered."""
         mask = np.uint64((1 << self.window) - 1) if self.window < 64 else np.uint64(2**64 - 1)
@@ -634,11 +639,18 @@ def _merged(installed: Installed, new: Installed, rows: IntArray) -> Installed:
     return Installed(next_hop=next_hop, since=since)
 
 
-def _lost(rng: np.random.Generator, truth: _Truth, up: BoolArray) -> BoolArray:
-    """One probe per link: which are lost (on the way or back, or to a node not up)."""
+def _lost(
+    rng: np.random.Generator, truth: _Truth, up: BoolArray, links: IntArray | None = None
+) -> BoolArray:
+    """One probe per link: which are lost (on the way or back, or to a node not up);
+    ``links``: only those (flat indices), in their order."""
     n = truth.rtt.shape[0]
-    lost: BoolArray = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
-    return lost
+    if links is None:
+        lost: BoolArray = (rng.random((n, n)) < truth.loss) | ~truth.usable | ~up[None, :]
+        return lost
+    ok = truth.usable.ravel()[links] & up[links % n]
+    some: BoolArray = (rng.random(links.size) < truth.loss.ravel()[links]) | ~ok
+    return some
 
 
 def revive_spread(
@@ -947,9 +959,7 @@ def simulate(
                 again = lost1 | (sample.ravel()[ci] / 1000.0 > after)
                 ri, after, lost1 = ci[again], after[again], lost1[again]
                 if ri.size:
-                    lost2 = (rng.random(ri.size) < truth.loss.ravel()[ri]) | ~(
-                        truth.usable.ravel()[ri] & up[ri % n]
-                    )
+                    lost2 = _lost(rng, truth, up, ri)
                     noise2 = rng.standard_normal(ri.size) * truth.sigma.ravel()[ri]
                     sample2 = np.maximum(truth.rtt.ravel()[ri] + noise2, 0.0)
                     known = sent_at + after + sample2 / 1000.0
@@ -975,15 +985,13 @@ def simulate(
                 flips.append(np.flatnonzero(back.ravel()))
                 dead = dead & ~back
                 rows = np.flatnonzero(back.any(axis=1))
-                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
-                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
+                agents.tell_soon(rows, now)
             reviving_at[~dead] = np.inf
         if inflight.rounds:
             stepped = inflight.deliver(est, now)
             if stepped:  # a confirmed step: the agent tells at once (TELL_GAP_S apart)
                 rows = np.unique([i for i, _ in stepped])
-                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
-                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
+                agents.tell_soon(rows, now)
         if late_idx.size:
             due = late_dead_at <= now + 1e-9
             if due.any():
@@ -997,8 +1005,7 @@ def simulate(
                     flat = reviving_at.ravel()
                     flat[fire] = np.minimum(flat[fire], back_at)
                     rows = np.unique(fire // n)
-                    soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
-                    agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
+                    agents.tell_soon(rows, now)
                 late_idx, late_dead_at = late_idx[~due], late_dead_at[~due]
                 late_back_at = late_back_at[~due]
         if waiting.size:
@@ -1009,8 +1016,7 @@ def simulate(
                 flips.append(waiting[due])
                 # A peer found dead is told at once, as the agent tells it.
                 rows = np.unique(waiting[due] // n)
-                soon = np.maximum(now, agents.last_seen[rows] + TELL_GAP_S)
-                agents.next_check[rows] = np.minimum(agents.next_check[rows], soon)
+                agents.tell_soon(rows, now)
                 waiting, dead_at = waiting[~due], dead_at[~due]
 
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
