@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import threading
 import time
@@ -200,7 +201,6 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
     lab = mesh.lab
     topic = f"meshopt/{lab.plan.name}/routes/n1"
     current = decode_route_set(unsigned_payload(bus_read(lab, topic)[0], "routes"))
-    hops = mesh.next_hops()["n1"]
     key_path, _ = controller_key(lab)
     key = load_private_key(key_path)
     stranger = generate_signing_key()[0]
@@ -270,7 +270,14 @@ def test_bad_route_sets_are_dropped_and_counted(mesh: LiveMesh, tmp_path: Path) 
 
     assert wait_until(lambda: not rose(), 30, interval=0.5) is not None, rose()
     assert mesh.agents["n1"].poll() is None, "the agent died on bad input"
-    assert mesh.next_hops()["n1"] == hops  # nothing from them was installed
+    # Of the forged sets (each names controller "test") only the one with two impossible
+    # routes is accepted, and those two are dropped: the rest are n1's own routes. The
+    # live controller may move n1's routes meanwhile (a busy machine's estimates drift
+    # in the up to 30 s this waits), so the table itself is not expected to stand still.
+    log = (lab_dir(lab.plan.lab_id) / "agents" / "n1.log").read_text(errors="replace")
+    sets = re.findall(r"route set v(\d+) from (\S+):", log)
+    assert any(who != "test" for _, who in sets), "the agent logs no route set"
+    assert [int(v) for v, who in sets if who == "test"] == [current.version + 1]
     assert "10.250.0.9/32" not in [p for ps in mesh.allowed_ips("n1").values() for p in ps]
 
 
