@@ -35,9 +35,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshopt.analysis import Plan, plan
+from meshopt.bench.tunnelshare import tunnel_share
 from meshopt.demo import pick_degradation, with_delay
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import PolicyConfig
@@ -45,6 +46,9 @@ from meshopt.sim.engine import SimConfig, simulate
 from meshopt.sim.events import Event, parse_event
 from meshopt.topology.load import load_topology
 from meshopt.topology.model import Topology
+
+if TYPE_CHECKING:
+    from meshopt.lab.tap import Heard
 
 Progress = Callable[[str], None]
 # Converged: every pair within the policy's large margins of the optimum (3 ms or 10 %,
@@ -162,13 +166,15 @@ def sim_side(
     seeds: int = 3,
     boot: tuple[float, float] | None = None,
     install_each_s: float | None = None,
+    tunnel: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The simulated figures per event, medians over ``seeds`` runs (and each run's).
 
     ``boot``: (earliest, latest) time the agents came up, as measured in the lab; None:
     the simulator's default (2-3 s). ``install_each_s``: what each agent added to a
     burst of route sets in the lab (:func:`install_each`); None: 0, every agent on its
-    own machine."""
+    own machine. ``tunnel``: what the lab's tunnels added to the agents' RTT and its σ
+    (:func:`~meshopt.bench.tunnelshare.tunnel_share`); None: nothing."""
     runs = []
     events = sc.sim_events(tl)
     extra: dict[str, float] = {}
@@ -176,6 +182,8 @@ def sim_side(
         extra = {"boot_s": boot[0], "boot_spread_s": max(boot[1] - boot[0], 0.0)}
     if install_each_s is not None:
         extra["install_each_s"] = install_each_s
+    if tunnel is not None:
+        extra["tunnel_ms"], extra["tunnel_sigma_ms"] = tunnel
     large = PolicyConfig().rel_margin
     for seed in range(seeds):
         cfg = SimConfig(
@@ -352,9 +360,11 @@ def lab_side(
     from meshopt.lab.lab import Lab
     from meshopt.lab.measure import outage_time
     from meshopt.lab.mesh import LiveMesh
+    from meshopt.lab.tap import TelemetryTap
 
     lab = Lab.up(sc.topo, name=f"twin{index}", layout="single")
     mesh = LiveMesh(lab)
+    tap = TelemetryTap(lab)
     policy = PolicyConfig()
     out: dict[str, Any] = {}
     try:
@@ -362,6 +372,7 @@ def lab_side(
         logs = agent_logs(lab, mesh.nodes)
         # The control plane first (the simulator's is there from time 0), then the agents.
         out["controllers_ready_s"] = mesh.start_controllers()
+        tap.start()
         t0 = time.monotonic()
         watch = BootWatch(logs, t0)
         watch.start()
@@ -379,6 +390,7 @@ def lab_side(
             time.sleep(max(0.0, at - (time.monotonic() - t0)))
 
         windows = _windows(sc, tl)
+        first_end = windows[0][1] if windows else tl.end
         bests: dict[str, Plan] = {}
         outages: dict[str, float | None] = {}
         # When each event took effect (``lab set`` returned), from t0: the times are
@@ -427,8 +439,10 @@ def lab_side(
         until(tl.end + 0.6)
         reader.stop.set()
         reader.join(timeout=30)
+        tap.stop()
+        spell = (wall0 + first_end - TUNNEL_WINDOW_S, wall0 + first_end)
+        out["tunnel"] = _tunnel(tap.heard(mesh.key_owner(), *spell), sc)
         log = reader.log
-        first_end = windows[0][1] if windows else tl.end
         large = policy.rel_margin
         out["initial_converge_s"] = _converged(log, best_start, 0.0, first_end, policy, large)
         out["initial_converge_5pct_s"] = _converged(
@@ -472,8 +486,27 @@ def lab_side(
             (run / "readings.json").write_text(json.dumps(log))
         return out
     finally:
+        tap.stop()
         mesh.stop()
         lab.down()
+
+
+# The steady spell before the first event whose telemetry tells what the tunnels add
+# (the agents are ~15 s past their warm-up by then on every topology here).
+TUNNEL_WINDOW_S = 20.0
+
+
+def _tunnel(heard: list[Heard], sc: Scenario) -> dict[str, float] | None:
+    """What the lab's tunnels added to the agents' readings (:func:`tunnel_share`)."""
+    readings = [
+        (h.node, h.peer, h.report.rtt_ms, h.report.jitter_ms)
+        for h in heard
+        if h.report.alive and h.report.rtt_ms is not None and h.report.jitter_ms is not None
+    ]
+    share = tunnel_share(readings, sc.topo)
+    if share is None:
+        return None
+    return {"ms": share.ms, "sigma_ms": share.sigma_ms, "links": share.links}
 
 
 def _apply_text(topo: Topology, ev: Event) -> None:
@@ -648,8 +681,9 @@ def bench(
                 labs.append(lab_side(sc, tl, k * 10 + r, progress, logs))
         boot = _boot(labs)
         each = _med([x.get("install_each_s") for x in labs])
+        tunnel = _tunnel_of(labs)
         started = time.monotonic()
-        sim = sim_side(sc, tl, seeds, boot, each)
+        sim = sim_side(sc, tl, seeds, boot, each, tunnel)
         entry: dict[str, Any] = {
             "topology": topology,
             "nodes": sc.topo.n,
@@ -658,6 +692,7 @@ def bench(
             "sim_wall_s": time.monotonic() - started,
             "sim_boot_from_lab": boot,
             "sim_install_each_from_lab": each,
+            "sim_tunnel_from_lab": tunnel,
             "sim": _strip(sim),
         }  # fmt: skip
         progress(f"{topology}: simulated in {entry['sim_wall_s']:.1f} s")
@@ -700,6 +735,14 @@ def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
     if not ups:
         return None
     return statistics.median(u["first"] for u in ups), statistics.median(u["last"] for u in ups)
+
+
+def _tunnel_of(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(ms, σ ms) the lab's tunnels added, medians over runs."""
+    got = [x["tunnel"] for x in labs if x.get("tunnel")]
+    if not got:
+        return None
+    return statistics.median(t["ms"] for t in got), statistics.median(t["sigma_ms"] for t in got)
 
 
 def _calm(runs: list[Any], disturbed: list[bool]) -> tuple[list[Any], int]:

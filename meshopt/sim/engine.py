@@ -145,6 +145,12 @@ class SimConfig:
     # routes a decision changed install in a random order, each install_each_s after the
     # one before. 0: each on its own machine, all at install_s (a real mesh).
     install_each_s: float = 0.0
+    # What each tunnel adds to a probe's RTT beyond the underlay, and the spread it adds
+    # (σ, ms): WireGuard's work and its processes' wake-up after a quiet spell. In the
+    # lab (wireguard-go, probes 0.33 s apart) ~0.5 ms and ~0.5 ms σ per link; a relayed
+    # path pays it on each of its tunnels. 0: the topology's figures are what probes see.
+    tunnel_ms: float = 0.0
+    tunnel_sigma_ms: float = 0.0
     keep_routes: bool = False  # report the next hops in use at the end of each interval
     # Converged: None, the policy would not move the pair even with settled estimates
     # (its margins and noise test); a share, the pair's cost is within it of the
@@ -159,6 +165,10 @@ class SimConfig:
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
     # The agents' probe budget (meshopt.sim.budget); None: every link probed fast.
     budget: BudgetConfig | None = field(default_factory=_budget_defaults)
+
+    @property
+    def tunnel(self) -> tuple[float, float]:
+        return (self.tunnel_ms, self.tunnel_sigma_ms)
 
     def recompute_gap(self, n: int) -> float:
         if self.recompute_s is not None:
@@ -181,10 +191,19 @@ class _Truth:
     relay: float
     var: FloatArray  # variance of each link's cost estimate once the estimator has settled
     optimum_var: FloatArray  # summed along the optimal paths
+    # What a probe takes: the RTT and its spread with the tunnels' own share (SimConfig's
+    # tunnel_ms, tunnel_sigma_ms); routes are scored on the underlay's.
+    probe_rtt: FloatArray
+    probe_sigma: FloatArray
 
 
 def _truth(
-    topo: Topology, node_up: BoolArray, metric: Metric, symmetric: bool, est: LinkEstimator
+    topo: Topology,
+    node_up: BoolArray,
+    metric: Metric,
+    symmetric: bool,
+    est: LinkEstimator,
+    tunnel: tuple[float, float] = (0.0, 0.0),
 ) -> _Truth:
     usable = topo.tunnels & node_up[:, None] & node_up[None, :]
     cost = topology_costs(topo, metric)
@@ -194,11 +213,13 @@ def _truth(
     opt = compute_routes(cost, topo.names, relay_hop_ms=metric.relay_hop_ms, symmetric=symmetric)
     sigma = np.sqrt(topo.jitter_ms**2 + topo.jitter_ms.T**2)
     loss = 1.0 - (1.0 - topo.loss) * (1.0 - topo.loss.T)
-    var = _cost_var(sigma, loss, metric, est.a_rtt, est.a_loss)
+    probe_sigma = np.sqrt(sigma**2 + tunnel[1] ** 2)
+    var = _cost_var(probe_sigma, loss, metric, est.a_rtt, est.a_loss)
+    rtt = topo.rtt_ms()
     return _Truth(
         topo=topo,
         node_up=node_up,
-        rtt=topo.rtt_ms(),
+        rtt=rtt,
         sigma=sigma,
         loss=loss,
         usable=usable,
@@ -207,6 +228,8 @@ def _truth(
         relay=metric.relay_hop_ms,
         var=var,
         optimum_var=reduce_paths(opt.next_hop, var),
+        probe_rtt=rtt + tunnel[0],
+        probe_sigma=probe_sigma,
     )
 
 
@@ -813,7 +836,7 @@ def simulate(
     )
     recomputes = backup_computations = 0
     t0 = clock()
-    truth = _truth(live, node_up, metric, cfg.symmetric, est)
+    truth = _truth(live, node_up, metric, cfg.symmetric, est, cfg.tunnel)
     phase["truth"] += clock() - t0
     pending = sorted(events, key=lambda e: e.at_s)
     tick = cfg.tick_s
@@ -874,7 +897,7 @@ def simulate(
                 tracker.result.routes = _named(topo.names, eff)
             _apply(ev, live, node_up)
             t0 = clock()
-            truth = _truth(live, node_up, metric, cfg.symmetric, est)
+            truth = _truth(live, node_up, metric, cfg.symmetric, est, cfg.tunnel)
             phase["truth"] += clock() - t0
             tracker = _Tracker(
                 EventResult(event=ev.text, at_s=ev.at_s),
@@ -897,10 +920,10 @@ def simulate(
                 probed &= due
             # jitter is the standard deviation of the delay (as in topology files and the
             # lab's shaper): normal noise around the configured RTT, never below zero.
-            noise = rng.standard_normal((n, n)) * truth.sigma
+            noise = rng.standard_normal((n, n)) * truth.probe_sigma
             draw_lost = functools.partial(_lost, rng, truth, up)
             lost = draw_lost()
-            sample = np.maximum(truth.rtt + noise, 0.0)
+            sample = np.maximum(truth.probe_rtt + noise, 0.0)
             early: BoolArray | None = None
             if start_hs is not None:  # the first handshakes: held probes, early replies
                 probed, early = start_hs.probes(probed, sent_at)
@@ -960,8 +983,8 @@ def simulate(
                 ri, after, lost1 = ci[again], after[again], lost1[again]
                 if ri.size:
                     lost2 = _lost(rng, truth, up, ri)
-                    noise2 = rng.standard_normal(ri.size) * truth.sigma.ravel()[ri]
-                    sample2 = np.maximum(truth.rtt.ravel()[ri] + noise2, 0.0)
+                    noise2 = rng.standard_normal(ri.size) * truth.probe_sigma.ravel()[ri]
+                    sample2 = np.maximum(truth.probe_rtt.ravel()[ri] + noise2, 0.0)
                     known = sent_at + after + sample2 / 1000.0
                     inflight.add_links(ri, known, sample2, lost2)
                     saved = ri[lost1 & ~lost2]

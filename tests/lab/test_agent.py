@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from meshopt.bench.tunnelshare import tunnel_share
 from meshopt.bus.messages import Route, RouteSet, decode_route_set, decode_telemetry
 from meshopt.bus.signing import (
     generate_signing_key,
@@ -33,6 +34,8 @@ from meshopt.lab.agents import controller_key
 from meshopt.lab.lab import Lab
 from meshopt.lab.mesh import LiveMesh, wait_until
 from meshopt.lab.state import lab_dir
+from meshopt.lab.tap import TelemetryTap
+from meshopt.topology.load import load_topology
 
 from .conftest import EXAMPLES, new_lab_id
 from .tools import need_tools
@@ -160,6 +163,32 @@ def test_agents_probe_each_other_through_the_tunnels(mesh: LiveMesh) -> None:
     assert rtt["n4"]["rtt_median_ms"] > 75.0
     assert t["counters"].get("probe_no_kernel_ts", 0) == 0
     assert t["addresses"] == [f"{mesh.lab.overlay_ip('n1')}/32"]
+
+
+def test_the_telemetry_tap_reads_what_every_agent_reported(mesh: LiveMesh) -> None:
+    """The twin benchmark's tap: every node's signed reports decoded, peers named, and
+    what the tunnels add to the topology's RTT small and measured, not assumed."""
+    owner = mesh.key_owner()
+    with TelemetryTap(mesh.lab) as tap:
+
+        def everyone() -> bool:
+            return {h.node for h in tap.heard(owner) if h.report.rtt_ms} == set(mesh.nodes)
+
+        assert wait_until(everyone, 25, interval=0.5) is not None
+    heard = tap.heard(owner)
+    assert {h.peer for h in heard} == set(mesh.nodes)
+    topo = load_topology(str(EXAMPLES / "lab4.yaml"))
+    nominal = topo.rtt_ms()
+    for h in heard:
+        if h.report.rtt_ms and h.report.alive:
+            want = float(nominal[topo.index(h.node), topo.index(h.peer)])
+            assert want <= h.report.rtt_ms + 1.0 and h.report.rtt_ms < want + 5.0, h
+    share = tunnel_share(
+        [(h.node, h.peer, h.report.rtt_ms, h.report.jitter_ms or 0.0) for h in heard
+         if h.report.rtt_ms and h.report.alive], topo,
+    )  # fmt: skip
+    assert share is not None and share.links == 12
+    assert 0.0 <= share.ms < 3.0 and share.sigma_ms < 3.0, share
 
 
 def test_the_agents_start_loses_no_handshake(mesh: LiveMesh) -> None:

@@ -167,6 +167,20 @@ def test_a_step_is_confirmed_when_the_third_outliers_reply_arrives(at: float) ->
     assert react[200] - react[50] == pytest.approx(0.3, abs=0.1)
 
 
+@pytest.mark.parametrize(("tunnel_ms", "relayed"), [(0.0, True), (1.5, False)])
+def test_what_the_tunnels_add_is_paid_once_per_tunnel(tunnel_ms: float, relayed: bool) -> None:
+    """a-c direct is 40 ms, via b 38 ms: a small gain, taken once confirmed. Probes that
+    cross a tunnel 1.5 ms slower (the lab's wireguard-go adds ~0.3-0.5 ms) pay it once
+    direct and twice relayed: 41.5 against 41.1 ms, a gain below the confirm margin."""
+    topo = mesh("abc", {"a-c": 20.0, "a-b": 9.5, "b-c": 9.5}, default_ms=20.0)
+    r = run(topo, "at=59s link=a-b delay=9.5ms", duration_s=60.0, keep_routes=True,
+            symmetric=True, tunnel_ms=tunnel_ms, **AT_ONCE)  # fmt: skip
+    routes = only_event(r).routes
+    assert routes is not None
+    want = ("b", "b") if relayed else ("c", "a")
+    assert (routes["a"]["c"], routes["c"]["a"]) == want
+
+
 def test_late_deaths_come_when_an_answer_on_its_way_misses_the_dead_time() -> None:
     """The prober waits 0.8 s after the last reply, and for two unanswered probes the
     first unanswered for 0.47 s (0.8 less an interval). A link stepping from 130 to
