@@ -83,9 +83,10 @@ def routing_options(f: F) -> F:
     )(f)
     f = click.option(
         "--relay-cost",
-        default="2ms",
-        show_default=True,
-        help="What one relay hop costs; a relay must gain more than this.",
+        default=None,
+        show_default="the controller's, 0.1ms",
+        help="What one relay hop costs beyond its two tunnels' RTT; a relay must gain"
+        " more than this. The default is the controller's (measured in the lab).",
     )(f)
     return f
 
@@ -94,9 +95,12 @@ def json_option(f: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
 
 
-def metric_from(relay_cost: str) -> Metric:
+def metric_from(relay_cost: str | None) -> Metric:
+    """The controller's metric; ``relay_cost`` (--relay-cost) overrides its relay hop."""
     from meshopt.metric import Metric
 
+    if relay_cost is None:
+        return Metric()
     return Metric(relay_hop_ms=parse_time_ms(relay_cost, "--relay-cost"))
 
 

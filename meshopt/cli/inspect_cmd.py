@@ -63,7 +63,7 @@ def path_cmd(
     ctx: click.Context,
     args: tuple[str, ...],
     symmetric: bool,
-    relay_cost: str,
+    relay_cost: str | None,
     broker: str | None,
     mesh: str | None,
     lab: str | None,
@@ -123,7 +123,7 @@ def routes_cmd(
     topology: str | None,
     nodes: tuple[str, ...],
     symmetric: bool,
-    relay_cost: str,
+    relay_cost: str | None,
     broker: str | None,
     mesh: str | None,
     lab: str | None,
@@ -171,7 +171,9 @@ def routes_cmd(
 )
 @routing_options
 @json_option
-def gains_cmd(topology: str, top: int, symmetric: bool, relay_cost: str, as_json: bool) -> None:
+def gains_cmd(
+    topology: str, top: int, symmetric: bool, relay_cost: str | None, as_json: bool
+) -> None:
     """Which pairs gain from relaying through other nodes, and by how much."""
     from meshopt.analysis import plan, relay_gains
     from meshopt.cli.render import Out, render_gains

@@ -231,7 +231,7 @@ def graph_cmd(
     topology: str | None,
     out: str,
     symmetric: bool,
-    relay_cost: str,
+    relay_cost: str | None,
     broker: str | None,
     mesh: str | None,
     lab: str | None,
@@ -292,7 +292,7 @@ def graph_cmd(
 
 
 def _offline_graph(
-    topology: str, out: str, symmetric: bool, relay_cost: str, as_json: bool
+    topology: str, out: str, symmetric: bool, relay_cost: str | None, as_json: bool
 ) -> None:
     """Draw a topology file with the relay routes the offline ``routes`` would give."""
     from meshopt.analysis import plan, relay_paths

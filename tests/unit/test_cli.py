@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from meshopt.cli.main import main
+from meshopt.metric import Metric
 
 TOPOLOGIES = Path(__file__).parents[2] / "topologies"
 TRIANGLE = str(TOPOLOGIES / "triangle.yaml")
@@ -50,8 +51,10 @@ def test_path_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert [h["rtt_ms"] for h in d["hops"]] == [20.0, 20.0]
     assert d["relays"] == ["c"]
     assert d["rtt_ms"] == 40.0 and d["direct_rtt_ms"] == 80.0 and d["gain_ms"] == 40.0
-    # metric cost: both hops' costs (RTT + 2 x jitter) plus one relay hop (2 ms)
-    assert d["cost_ms"] == pytest.approx(sum(h["cost_ms"] for h in d["hops"]) + 2.0)
+    # metric cost: both hops' costs (RTT + 2 x jitter) plus one relay hop, priced as the
+    # controller prices it (not the fixed 2 ms these commands used before)
+    hop = Metric().relay_hop_ms
+    assert d["cost_ms"] == pytest.approx(sum(h["cost_ms"] for h in d["hops"]) + hop)
     assert d["direct_cost_ms"] > d["cost_ms"]
 
 
@@ -105,7 +108,9 @@ def test_gains_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_gains_text(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = meshopt(capsys, "gains", str(TOPOLOGIES / "europe.yaml"), "--top", "2")
     assert code == 0
-    assert "45 pairs, 4 relayed, 4 faster than their direct tunnel" in out
+    # One pair relays for a lower jitter, not a lower RTT: at the controller's relay-hop
+    # price (0.1 ms) its gain counts; at the old fixed 2 ms it did not.
+    assert "45 pairs, 5 relayed, 4 faster than their direct tunnel" in out
     assert "lon ↔ ath" in out and "mad ↔ sto" not in out  # only the top 2 rows
 
 
@@ -176,6 +181,21 @@ def test_sim_no_budget_probes_every_link_fast(capsys: pytest.CaptureFixture[str]
     assert 4.84 - 2.0 <= budget["events"][0]["outage_s"] <= 4.94
 
 
+def test_sim_tunnel_is_paid_per_tunnel(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """a-b direct 40 ms, via c 38 ms: relayed once the small gain is confirmed; with
+    1.5 ms per tunnel the relay's two tunnels cost 41.1 ms against 41.5 ms direct, a gain
+    below the confirm margin, so a-b stays direct."""
+    topo = tmp_path / "near.yaml"
+    topo.write_text(
+        "name: near\ndefaults: {delay: 9.5ms, jitter: 0.2ms}\n"
+        "nodes: {a: {}, b: {}, c: {}}\nunderlay:\n  a-b: {delay: 20ms}\n"
+    )
+    args = ("sim", str(topo), "--duration", "60s", "--symmetric")
+    plain = meshopt_json(capsys, *args)
+    slow = meshopt_json(capsys, *args, "--tunnel", "1.5ms", "--tunnel-jitter", "0.1ms")
+    assert plain["gains"]["relayed"] == 1 and slow["gains"]["relayed"] == 0
+
+
 # --- topology check ------------------------------------------------------------------------
 
 
@@ -216,6 +236,8 @@ def test_topology_check_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["sim", TRIANGLE, "--event", "at=5m node=c down"], "not before the end"),
         (["sim", TRIANGLE, "--duration", "soon"], "bad --duration"),
         (["sim", TRIANGLE, "--duration", "0s"], "must be > 0"),
+        (["sim", TRIANGLE, "--tunnel", "-1ms"], "bad --tunnel"),
+        (["sim", TRIANGLE, "--tunnel-jitter", "lots"], "bad --tunnel-jitter"),
         (["path", TRIANGLE, "a", "b", "--relay-cost", "cheap"], "bad --relay-cost"),
         (["gains", "gen:geo:n=1"], "n must be 2..5000"),
         (["gains", "gen:nosuch"], "gen:nosuch"),
