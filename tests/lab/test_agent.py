@@ -168,6 +168,7 @@ def test_agents_probe_each_other_through_the_tunnels(mesh: LiveMesh) -> None:
 def test_the_telemetry_tap_reads_what_every_agent_reported(mesh: LiveMesh) -> None:
     """The twin benchmark's tap: every node's signed reports decoded, peers named, and
     what the tunnels add to the topology's RTT small and measured, not assumed."""
+    need_tools("mosquitto_sub", "stdbuf")
     owner = mesh.key_owner()
     with TelemetryTap(mesh.lab) as tap:
 
