@@ -67,6 +67,11 @@ hears the initiator's, and replies to probes sent before a peer first answered a
 proof of life, not RTT samples. Until its peers' estimates were told warm an agent
 checks its telemetry every ``WARM_CHECK_S`` (:func:`meshopt.agent.telemetry.check_interval`).
 
+A probe crosses the underlay's delay plus ``tunnel_ms`` (and ``tunnel_sigma_ms`` of
+spread) per tunnel: WireGuard's own work, ~0.3-0.5 ms per wireguard-go tunnel in the lab
+at the agents' rate (:mod:`meshopt.bench.tunnelshare`). Routes are scored on the
+underlay's figures.
+
 Not modelled: a lost first handshake (retried after 5 s), CPU time
 (the controller's recompute and the agents' work take none), the controller's batching
 of routine snapshots, the relay-hop forwarding delay beyond the metric's 0.1 ms, the
