@@ -438,6 +438,15 @@ class ControllerCore:
             # their way, and moved every route to it twice (42 changes).
             quiet = cfg.revive_max_s if self.awaiting else cfg.revive_quiet_s
             self.revive_until = min(self.revived_at + cfg.revive_max_s, now + quiet)
+            if log.isEnabledFor(logging.DEBUG):
+                names = self.last.names if self.last is not None else []
+                log.debug(
+                    "%s tells %s back; awaiting %s; recompute held %.2f s",
+                    name,
+                    ", ".join(f"{names[a]}-{names[b]}" for a, b in revived),
+                    ", ".join(f"{names[a]}-{names[b]}" for a, b in sorted(self.awaiting)),
+                    self.revive_until - now,
+                )
         if changed:  # a heartbeat only keeps the node fresh: nothing to recompute
             self.mark_dirty(now, routine=routine)
             if not routine:
@@ -576,19 +585,10 @@ class ControllerCore:
             lambda: self.view.measured(self.cfg.warmup_samples),
         )
 
-    def recompute_now(
-        self, now: float, wall: float, *, clear: bool = True, signed: bool = True
-    ) -> list[Publish]:
-        """A due recompute: clears the dirty mark (``clear``: the shell may have done
-        so), never raises (a failure is counted and the routes agents have stay).
-        ``signed=False``: planned sets, for :meth:`sign_routes` (see :meth:`plan`)."""
-        if clear:
-            self.dirty_since = None
-            self.urgent = False
-            self.prompt = False
-            self.revived_at = None
-            self._told_back.clear()
-            self.awaiting.clear()
+    def recompute_now(self, now: float, wall: float, *, signed: bool = True) -> list[Publish]:
+        """A due recompute; never raises (a failure is counted and the routes agents
+        have stay). ``signed=False``: planned sets, for :meth:`sign_routes` (see
+        :meth:`plan`)."""
         started = time.thread_time()
         try:
             return self.recompute(now, wall) if signed else self.plan(now, wall)
@@ -626,8 +626,19 @@ class ControllerCore:
         return self.finish_recompute(c, now)
 
     def begin_recompute(self) -> None:
-        """A full pass starts on the view as it is: the failures the view holds now are
-        covered by it; from here until it is finished the engine is its own."""
+        """A full pass starts on the view as it is: every change told so far is in it
+        (the dirty mark and a revival's hold end here; the shell runs this too, and a
+        revival it left set made every later return's hold end a second after the
+        first revival ever told, so a returning node was routed on its first links and
+        moved again), and the failures the view holds now are covered by it; from here
+        until it is finished the engine is its own."""
+        self.dirty_since = None
+        self.urgent = False
+        self.prompt = False
+        self.revived_at = None
+        self.revive_until = -math.inf
+        self._told_back.clear()
+        self.awaiting.clear()
         self._busy = True
         self._covering = {e.id for e in self._events.values() if e.in_view}
 

@@ -249,12 +249,11 @@ class Controller:
 
     async def _recompute(self, now: float, wall: float) -> None:
         """One recompute in a worker thread; the loop keeps serving the broker meanwhile."""
-        self.core.dirty_since = None  # cleared here: a failure reported meanwhile re-marks it
-        self.core.urgent = False
-        self.core.prompt = False
         self._computing = True
         started = time.perf_counter()
         core = self.core
+        # Clears the dirty mark and a revival's hold: a failure or a return told while
+        # the pass runs marks them again.
         core.begin_recompute()
         self.gate.begin_pass()
         cpu = 0.0
