@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from meshopt.bench.cpuload import lag_window
 from meshopt.lab.lab import Lab
 from meshopt.lab.plan import WG_MTU
 from meshopt.probe.train import (
@@ -66,9 +67,19 @@ def estimate(lab: Lab, *extra: str) -> dict[str, Any]:
 @pytest.mark.parametrize("rate_mbit", [10, 20, 50, 100])
 def test_estimate_within_10_percent_of_the_rate(trains: Lab, rate_mbit: int) -> None:
     trains.set(f"n1-n2 rate={rate_mbit}Mbit")
+    before = trains.emulator.stats()
     est = estimate(trains)
+    timing = lag_window(before, trains.emulator.stats())
     expected = probe_level_mbit(rate_mbit, est["packet_bytes"], WG_IPV4_OVERHEAD)
-    assert abs(est["capacity_mbit"] / expected - 1) <= TOLERANCE, (est, expected)
+    off = abs(est["capacity_mbit"] / expected - 1)
+    if timing["measured"] and not timing["ok"]:
+        # The lab itself lost its timing while the trains ran (a busy machine: CI once
+        # read 69 of 95 Mbit/s with the CI, a test run and the lab on two cores): the
+        # underlay was not the configured one, so no figure can be judged against it,
+        # but the estimate must not claim to be sure of a wrong figure.
+        assert off <= TOLERANCE or est["confidence"] < 0.5, (est, expected, timing)
+    else:
+        assert off <= TOLERANCE, (est, expected, timing)
     # Confidence reflects the trains' scatter, which the shared VM's CPU stalls add to
     # at high rates; at 10 Mbit/s (48 ms trains) the trains agree.
     assert 0.0 < est["confidence"] <= 1.0, est
