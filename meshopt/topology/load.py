@@ -9,6 +9,7 @@ or a generator spec ``gen:KIND:key=value,...``. Every file is read within
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -31,7 +32,7 @@ KINDS_HELP = (
 
 
 def load_topology(
-    spec: str,
+    spec: str | os.PathLike[str],
     *,
     seed: int | None = None,
     warnings: list[str] | None = None,
@@ -45,6 +46,7 @@ def load_topology(
     the last wall behind the limits: they too end as one line, not a traceback.
     """
     limits = limits or Limits.from_env()
+    spec = os.fspath(spec)  # a Path is a file name, as its text is
     source = printable(spec[:200])
     try:
         topo = _load(spec, seed, warnings, limits)

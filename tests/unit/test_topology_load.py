@@ -61,6 +61,13 @@ def test_examples_load() -> None:
     assert names["two-regions"].n == 8
 
 
+def test_a_path_loads_as_its_text_does(tmp_path: Path) -> None:
+    path = EXAMPLES / "triangle.yaml"
+    assert load_topology(path).names == load_topology(str(path)).names
+    with pytest.raises(TopologyError, match="no such file"):
+        load_topology(tmp_path / "missing.yaml")
+
+
 def test_triangle_example_relays_through_c() -> None:
     topo = load_topology(str(EXAMPLES / "triangle.yaml"))
     rtt = topo.rtt_ms()
