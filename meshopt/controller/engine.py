@@ -456,13 +456,19 @@ def sticky_backups(
     fresh = best.backup if best.backup is not None else np.full((n, n), NO_ROUTE)
     fresh = np.where(fresh == hop, best.next_hop, fresh)
     fresh = np.where((fresh == hop) | (fresh == rows), NO_ROUTE, fresh)
+    link = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
+    # The best table's alternate forwards on its installed route, which the policy may
+    # have kept elsewhere (a tie, hysteresis): one that comes back through s is none.
+    f = np.where(fresh >= 0, fresh, 0)
+    loops = (fresh >= 0) & ~_walk_avoids(hop, f, fresh >= 0)
+    if loops.any():
+        fresh = np.where(loops, _installed_alternate(hop, best.dist, link, loops), fresh)
     if prev is None or prev.shape != (n, n) or best.dist is None:
         return fresh.astype(np.int64)
     dist = best.dist
     cols = np.arange(n)[None, :]
     m = np.where(prev >= 0, prev, 0)
     f = np.where(fresh >= 0, fresh, 0)
-    link = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
     # Still loop-free: the alternate's own installed route (what it forwards on, and
     # what the policy keeps steady) reaches d without passing s. The distances' LFA test
     # would flip whenever m has two near-equal ways to d, one of them through s.
@@ -475,6 +481,38 @@ def sticky_backups(
         better = key_new < key_old - _margin(key_old, policy)
         better &= _walk_avoids(hop, f, better & (fresh >= 0))
     out: IntArray = np.where(valid & ~better, prev, fresh).astype(np.int64)
+    return out
+
+
+def _installed_alternate(
+    hop: IntArray, dist: FloatArray | None, link: FloatArray, todo: BoolArray, tries: int = 3
+) -> IntArray:
+    """For the entries in ``todo``, the cheapest next hop (link, then its best distance)
+    other than the installed one whose installed route reaches d without passing s;
+    NO_ROUTE where none of the ``tries`` cheapest does (or without distances)."""
+    n = hop.shape[0]
+    out = np.full((n, n), NO_ROUTE, dtype=np.int64)
+    if dist is None:
+        return out
+    s_idx, d_idx = np.nonzero(todo)
+    with np.errstate(invalid="ignore"):
+        key = link[s_idx] + dist[:, d_idx].T
+    key[np.arange(s_idx.size), s_idx] = np.inf
+    key[np.arange(s_idx.size), hop[s_idx, d_idx]] = np.inf
+    left = np.ones(s_idx.size, dtype=bool)
+    for _ in range(tries):
+        pick = np.argmin(key, axis=1)
+        live = left & np.isfinite(key[np.arange(s_idx.size), pick])
+        if not live.any():
+            break
+        start = np.zeros((n, n), dtype=np.int64)
+        start[s_idx, d_idx] = pick
+        mask = np.zeros((n, n), dtype=bool)
+        mask[s_idx[live], d_idx[live]] = True
+        ok = _walk_avoids(hop, start, mask)[s_idx, d_idx] & live
+        out[s_idx[ok], d_idx[ok]] = pick[ok]
+        left &= ~ok
+        key[np.arange(s_idx.size), pick] = np.inf
     return out
 
 
