@@ -258,6 +258,7 @@ class Harness:
     steps: list[tuple[str, float]] = field(default_factory=list)  # on_step calls
     sent: list[tuple[str, float]] = field(default_factory=list)
     replies: list[tuple[float, bytes, int]] = field(default_factory=list)  # (due, reply, rx_ns)
+    _seen: set[int] = field(default_factory=set)  # sequence numbers read from the socket
 
     def __post_init__(self) -> None:
         self.rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -313,11 +314,27 @@ class Harness:
             self.replies = waiting
 
     def _drain(self) -> Iterator[bytes]:
+        """What the prober sent, every probe of this tick included: on a busy machine the
+        kernel can deliver a loopback datagram after ``sendto`` returns (softirq work
+        deferred to ksoftirqd), and a probe read a tick late moved these tests' clocks."""
+        want = set(self.prober._pending) - self._seen
+        self.rx.settimeout(5.0)
+        try:
+            while want:
+                data = self.rx.recv(2048)
+                seq = decode(data).seq
+                self._seen.add(seq)
+                want.discard(seq)
+                yield data
+        finally:
+            self.rx.setblocking(False)
         while True:
             try:
-                yield self.rx.recv(2048)
+                data = self.rx.recv(2048)
             except BlockingIOError:
                 return
+            self._seen.add(decode(data).seq)
+            yield data
 
     def sends(self, name: str) -> list[float]:
         return [t for n, t in self.sent if n == name]
