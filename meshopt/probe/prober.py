@@ -703,19 +703,25 @@ class Prober:
 
     def _on_timer(self) -> None:
         self._timer = None
-        late = self._clock() - self._wake_at if self._wake_at is not None else 0.0
         # Replies are read here, before anything is judged: those that arrived since the
         # last tick, and those that queued while this loop was late (a stall), with
         # their kernel stamps.
         self._read_replies()
         now = self._clock()
+        # Late since the timer was due: a stall before this wake-up or during the read.
+        late = now - self._wake_at if self._wake_at is not None else 0.0
         if late > STALL_TOLERANCE_S:
             self._credit_stall(late, now)
         try:
             self._tick(now)
         finally:
             if self._sock is not None:
-                self._arm(self._clock())
+                after = self._clock()
+                # Stopped inside this tick (a tick's work is milliseconds): no timer was
+                # armed to wake late, so the stall is credited here or never.
+                if after - now > STALL_TOLERANCE_S:
+                    self._credit_stall(after - now, after)
+                self._arm(after)
 
     def _credit_stall(self, late: float, now: float) -> None:
         """The prober woke ``late`` seconds after its timer was due: its process (or the

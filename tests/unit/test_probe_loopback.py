@@ -157,6 +157,44 @@ def test_a_stalled_loop_is_not_a_dead_peer() -> None:
     assert events == []
 
 
+def test_a_stall_inside_the_probers_own_tick_is_credited() -> None:
+    """The process stops while the prober's timer callback is running (no timer is armed
+    then, so none can wake late): the stall must still be credited, or the silence it
+    caused is the peers'. A busy CI run found one agent in four missing a stall so."""
+    events: list[tuple[str, bool]] = []
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        prober = Prober(
+            ProbeConfig(port=responder.port), on_change=lambda n, a: events.append((n, a))
+        )
+        prober.set_targets([Target("peer", "::1")])
+        await prober.start()
+        tick = prober._tick
+        stalls = [2.0]
+
+        def stalled_tick(now: float) -> None:
+            tick(now)
+            if stalls:
+                time.sleep(stalls.pop())  # stopped mid-tick, the loop with it
+
+        try:
+            await until(lambda: prober.alive("peer") is True)
+            before = prober.counters["stalls"]
+            prober._tick = stalled_tick  # type: ignore[method-assign]
+            await until(lambda: not stalls)
+            await asyncio.sleep(1.5)
+            assert prober.counters["stalls"] == before + 1
+            assert prober.alive("peer") is True
+        finally:
+            await prober.close()
+            responder.close()
+
+    asyncio.run(main())
+    assert events == []
+
+
 def free_udp_port() -> int:
     with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as s:
         s.bind(("::1", 0))
