@@ -45,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.bus.messages import MAX_ROUTES, Counters, Route, RouteSet
+from meshopt.controller.backups import gain_margin, sticky_backups
 from meshopt.controller.bulk_memory import BulkMemory, Tuned
 from meshopt.controller.deaths import DeathWatch
 from meshopt.controller.view import Matrices, MeshView
@@ -79,9 +80,6 @@ NODE_ERRORS = (MeshoptError, ValueError, ArithmeticError)
 # A bulk route keeps its TCP settings while its RTT and rate stay within this factor of
 # the values they were computed from (1 % noise must not re-send a route set).
 TUNING_TOLERANCE = 1.25
-# LFA test margin, as in meshopt.routing.backup: rounding may drop an alternate, never
-# keep one whose path runs back through the source.
-_LFA_TOL_MS = 1e-7
 # A path in use that got this much worse than the best one (its cost at least
 # 1 / (1 - DEGRADED_REL) = 2.5 times the best's, and DEGRADED_ABS_MS more) skips the hold: a
 # large degradation is not flapping, and waiting out a 30 s hold on it is what users of
@@ -430,112 +428,6 @@ def degraded(
     return out
 
 
-def _margin(cost: FloatArray, policy: PolicyConfig) -> FloatArray:
-    """The gain a change must bring over ``cost``: the policy's large margins."""
-    out: FloatArray = np.maximum(policy.abs_margin_ms, policy.rel_margin * cost)
-    return out
-
-
-def sticky_backups(
-    prev: IntArray | None,
-    best: RouteTables,
-    hop: IntArray,
-    cost: FloatArray,
-    policy: PolicyConfig,
-    relay_hop_ms: float = 2.0,
-) -> IntArray:
-    """The backup next hop of every entry whose installed next hop is ``hop``.
-
-    The fresh choice is the best table's loop-free alternate (its best next hop when
-    the policy kept another one). The previous backup stays while it is still a
-    loop-free alternate over a live link and the fresh one is not better by the
-    policy's margins: a backup flipping with noise re-sends a whole route set.
-    """
-    n = hop.shape[0]
-    rows = np.arange(n)[:, None]
-    fresh = best.backup if best.backup is not None else np.full((n, n), NO_ROUTE)
-    fresh = np.where(fresh == hop, best.next_hop, fresh)
-    fresh = np.where((fresh == hop) | (fresh == rows), NO_ROUTE, fresh)
-    link = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
-    # The best table's alternate forwards on its installed route, which the policy may
-    # have kept elsewhere (a tie, hysteresis): one that comes back through s is none.
-    f = np.where(fresh >= 0, fresh, 0)
-    loops = (fresh >= 0) & ~_walk_avoids(hop, f, fresh >= 0)
-    if loops.any():
-        fresh = np.where(loops, _installed_alternate(hop, best.dist, link, loops), fresh)
-    if prev is None or prev.shape != (n, n) or best.dist is None:
-        return fresh.astype(np.int64)
-    dist = best.dist
-    cols = np.arange(n)[None, :]
-    m = np.where(prev >= 0, prev, 0)
-    f = np.where(fresh >= 0, fresh, 0)
-    # Still loop-free: the alternate's own installed route (what it forwards on, and
-    # what the policy keeps steady) reaches d without passing s. The distances' LFA test
-    # would flip whenever m has two near-equal ways to d, one of them through s.
-    valid = (prev >= 0) & (prev != hop) & (prev != rows) & np.isfinite(link[rows, m])
-    valid &= _walk_avoids(hop, m, valid)
-    with np.errstate(invalid="ignore"):
-        key_old = link[rows, m] + dist[m, cols]
-        key_new = np.where(fresh >= 0, link[rows, f] + dist[f, cols], np.inf)
-        # A fresh alternate whose own installed route runs back through s is no better.
-        better = key_new < key_old - _margin(key_old, policy)
-        better &= _walk_avoids(hop, f, better & (fresh >= 0))
-    out: IntArray = np.where(valid & ~better, prev, fresh).astype(np.int64)
-    return out
-
-
-def _installed_alternate(
-    hop: IntArray, dist: FloatArray | None, link: FloatArray, todo: BoolArray, tries: int = 3
-) -> IntArray:
-    """For the entries in ``todo``, the cheapest next hop (link, then its best distance)
-    other than the installed one whose installed route reaches d without passing s;
-    NO_ROUTE where none of the ``tries`` cheapest does (or without distances)."""
-    n = hop.shape[0]
-    out = np.full((n, n), NO_ROUTE, dtype=np.int64)
-    if dist is None:
-        return out
-    s_idx, d_idx = np.nonzero(todo)
-    with np.errstate(invalid="ignore"):
-        key = link[s_idx] + dist[:, d_idx].T
-    key[np.arange(s_idx.size), s_idx] = np.inf
-    key[np.arange(s_idx.size), hop[s_idx, d_idx]] = np.inf
-    left = np.ones(s_idx.size, dtype=bool)
-    for _ in range(tries):
-        pick = np.argmin(key, axis=1)
-        live = left & np.isfinite(key[np.arange(s_idx.size), pick])
-        if not live.any():
-            break
-        start = np.zeros((n, n), dtype=np.int64)
-        start[s_idx, d_idx] = pick
-        mask = np.zeros((n, n), dtype=bool)
-        mask[s_idx[live], d_idx[live]] = True
-        ok = _walk_avoids(hop, start, mask)[s_idx, d_idx] & live
-        out[s_idx[ok], d_idx[ok]] = pick[ok]
-        left &= ~ok
-        key[np.arange(s_idx.size), pick] = np.inf
-    return out
-
-
-def _walk_avoids(next_hop: IntArray, start: IntArray, todo: BoolArray) -> BoolArray:
-    """For every entry (s, d) in ``todo``: the walk from ``start[s, d]`` along
-    ``next_hop[:, d]`` arrives at d without visiting s (one gather per hop, all at once)."""
-    n = next_hop.shape[0]
-    s_idx, d_idx = np.nonzero(todo)
-    cur = start[s_idx, d_idx]
-    ok = np.zeros(s_idx.shape, dtype=bool)
-    live = np.ones(s_idx.shape, dtype=bool)
-    for _ in range(n):
-        arrived = live & (cur == d_idx)
-        ok |= arrived
-        live &= ~arrived & (cur != s_idx) & (cur != NO_ROUTE)
-        if not live.any():
-            break
-        cur = np.where(live, next_hop[np.where(live, cur, 0), d_idx], cur)
-    out = np.zeros(todo.shape, dtype=bool)
-    out[s_idx, d_idx] = ok
-    return out
-
-
 def sticky_bulk(
     prev: IntArray | None,
     fresh: IntArray,
@@ -564,7 +456,7 @@ def sticky_bulk(
             reaches(prev)
             & np.isfinite(old_cost)
             & (old_level >= new_level)
-            & ~(new_cost < old_cost - _margin(old_cost, policy))
+            & ~(new_cost < old_cost - gain_margin(old_cost, policy))
         )
     return keep_where(prev, fresh, keep)
 

@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 
 from meshopt.bus.messages import PeerReport, Route, RouteSet, decode, encode
-from meshopt.controller.engine import Computed, RouteEngine, sticky_backups
+from meshopt.controller.engine import Computed, RouteEngine
 from meshopt.controller.view import MeshView
 from meshopt.policy import PolicyConfig
 from meshopt.routing.allpairs import compute_routes
-from meshopt.routing.backup import add_backups
 from meshopt.routing.tables import NO_ROUTE
 from tests.unit.test_controller_view import MESH, Node, new_key
 
@@ -413,22 +412,3 @@ def test_bulk_table_uses_the_widest_path() -> None:
     fast, bulk = mesh.route(sym, "a", "b"), mesh.route(sym, "a", "b", table="bulk")
     assert fast is not None and bulk is not None
     assert bulk.via == fast.via == mesh.key("c", "a")
-
-
-def test_a_backup_whose_installed_route_comes_back_is_replaced() -> None:
-    # 0 -> 3 via 1 (10 + 10 ms); the best table's alternate is 2 (12 + 10 ms), but the
-    # policy kept 2's own route to 3 via 0 (hysteresis): at a fail-over 0 would hand its
-    # packets to 2, which hands them back. 4 (30 + 30 ms) delivers; the direct tunnel
-    # (100 ms) is the installed hop's fallback only through a backup, so 4 it is.
-    cost = np.full((5, 5), np.inf)
-    np.fill_diagonal(cost, 0.0)
-    for (x, y), v in {(0, 1): 10.0, (1, 3): 10.0, (0, 2): 12.0, (2, 3): 10.0, (0, 4): 30.0,
-                      (4, 3): 30.0, (0, 3): 100.0}.items():  # fmt: skip
-        cost[x, y] = cost[y, x] = v
-    best = add_backups(compute_routes(cost, [str(i) for i in range(5)]), cost, relay_hop_ms=2.0)
-    assert best.backup is not None and best.backup[0, 3] == 2
-    hop = best.next_hop.copy()
-    hop[2, 3] = 0  # kept off its best path
-    for prev in (None, best.backup.copy()):
-        out = sticky_backups(prev, best, hop, cost, PolicyConfig(), relay_hop_ms=2.0)
-        assert out[0, 3] == 4, prev
