@@ -400,7 +400,15 @@ def decide(
     held: BoolArray = better & ~hold_ok
     switched = failed | improved
 
-    table = np.where(switched, b, c)
+    target = b
+    moving = switched & (b != NO_ROUTE)
+    if moving.any():
+        jitter = None if link_jitter is None else np.asarray(link_jitter, dtype=np.float64)
+        target = _canonical(
+            moving, failed, confirmed & ~large, b, cost, var, cur, var_cur, config,
+            relay_hop_ms, jitter, symmetric, _name_rank(best.names, n),
+        )  # fmt: skip
+    table = np.where(switched, target, c)
     forced = _repair(table, b, symmetric)
     table = np.where(forced, b, table)
     repaired: BoolArray = forced & ~switched
@@ -424,6 +432,99 @@ def decide(
         new=new,
         noise_term=noise_term,
     )
+
+
+def _name_rank(names: Sequence[str], n: int) -> IntArray:
+    """Each node's place in name order (index order where the names are not given)."""
+    if len(names) != n:
+        return np.arange(n, dtype=np.int64)
+    rank = np.empty(n, dtype=np.int64)
+    rank[sorted(range(n), key=lambda i: names[i])] = np.arange(n)
+    return rank
+
+
+# Candidates (entries x next hops) weighed at once when choosing among equivalent paths:
+# a bound on memory, as a first decision can switch most of a large mesh's entries.
+_CANDIDATE_CHUNK = 1 << 21
+
+
+def _canonical(
+    switched: BoolArray,
+    failed: BoolArray,
+    confirmed: BoolArray,
+    b: IntArray,
+    cost: FloatArray,
+    var: FloatArray,
+    cur: FloatArray,
+    var_cur: FloatArray,
+    config: PolicyConfig,
+    relay_hop_ms: float,
+    link_jitter: FloatArray | None,
+    symmetric: bool,
+    rank: IntArray,
+) -> IntArray:
+    """The next hop each switched entry moves to: among the paths tied with the best one
+    (behind it by less than the small margins, ``confirm_abs_ms`` or ``confirm_rel``),
+    the one with the fewest hops, then the first next hop in name order.
+
+    Which of two equal paths is the best at the moment an entry moves rests on
+    measurement noise, and hysteresis then keeps it: after bench8's relay a fails, b-g
+    has two 40 ms paths (via f and via h), and lab runs and simulated seeds ended on
+    either. A choice that rests on the hops and the names (``rank``, each node's place
+    in name order: a simulator's node order need not be the controller's) is the same
+    every time, and costs less than the policy would ever move for. A candidate must pass,
+    against the installed path, the test that moved the entry (any working path when it
+    failed), and its next hop must be nearer to the destination on the best routes than
+    the entry's own node (the feasibility condition of loop-free alternates: its path
+    cannot come back through it); the loop repair after this checks the whole table.
+    """
+    n = b.shape[0]
+    out = b.copy()
+    finite = np.isfinite(cost)
+    # Along the best routes from every node to d: the cost with a relay hop per link
+    # (a path via v then pays one per relay), the hops, the estimates' variance.
+    dist = reduce_paths(b, _with_relay(cost, relay_hop_ms))
+    hops = reduce_paths(b, np.where(finite, 1.0, np.inf))
+    var_b = reduce_paths(b, var)
+    jit = np.zeros((n, n))
+    if link_jitter is not None:  # priced as decide prices it: a root-sum-square
+        sym = (link_jitter + link_jitter.T) / 2.0 if symmetric else link_jitter
+        jit = np.where(finite, np.minimum(sym, cost), 0.0)
+    base = reduce_paths(b, _with_relay(cost - jit, relay_hop_ms))
+    jit2 = reduce_paths(b, jit**2)
+    s_all, d_all = np.nonzero(switched)
+    step = max(1, _CANDIDATE_CHUNK // max(n, 1))
+    ns = config.noise_sigmas
+    for lo in range(0, s_all.size, step):
+        s, d = s_all[lo : lo + step], d_all[lo : lo + step]
+        rows = np.arange(s.size)
+        with np.errstate(invalid="ignore"):
+            cand = (cost - jit)[s] + base[:, d].T + np.sqrt(jit[s] ** 2 + jit2[:, d].T)
+            var_c = var[s] + var_b[:, d].T
+            n_hops = 1.0 + hops[:, d].T
+            # v's own best route must not come back through s: v is nearer to d.
+            feasible = np.isfinite(cand) & finite[s] & (dist[s, d][:, None] > dist[:, d].T)
+            feasible[rows, s] = False
+            best_v = b[s, d]
+            adv = cand - cand[rows, best_v][:, None]
+            # Tied: behind the best by less than the smallest gain the policy ever moves
+            # for. Not widened by the noise term: young estimates would then tie paths
+            # 4 % apart, and the confirm rule move the entry again later.
+            tied = (adv < config.confirm_abs_ms) | (adv < config.confirm_rel * cand)
+            c_cur = cur[s, d][:, None]
+            gain = c_cur - cand
+            beats = gain > ns * np.sqrt(var_cur[s, d][:, None] + var_c)
+            large = beats & (gain >= config.abs_margin_ms) & (gain >= config.rel_margin * c_cur)
+            small = beats & (gain >= config.confirm_abs_ms) & (gain >= config.confirm_rel * c_cur)
+        moves = np.where(
+            failed[s, d][:, None], True, np.where(confirmed[s, d][:, None], small, large)
+        )
+        ok = feasible & tied & moves
+        ok[rows, best_v] = True  # the best itself is always a choice
+        # Fewest hops, then the first name: one key, minimised.
+        key = np.where(ok, n_hops * (n + 1) + rank[None, :], np.inf)
+        out[s, d] = np.argmin(key, axis=1)
+    return out
 
 
 def keep_where(previous: IntArray, best: IntArray, keep: BoolArray) -> IntArray:

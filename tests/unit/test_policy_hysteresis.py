@@ -135,6 +135,7 @@ def check_run(run: Run, *, symmetric: bool = False) -> dict[tuple[int, int], int
         new = path_cost(best.next_hop, link, RELAY_HOP_MS)
         var_cur = path_cost(prev.next_hop, var, 0.0)
         var_new = path_cost(best.next_hop, var, 0.0)
+        new_dir = new  # per direction, before symmetric mode's pair means
         diff = prev.next_hop != best.next_hop
         if symmetric:
             cur, new = (cur + cur.T) / 2.0, (new + new.T) / 2.0
@@ -142,7 +143,7 @@ def check_run(run: Run, *, symmetric: bool = False) -> dict[tuple[int, int], int
             diff = diff | diff.T
         spread = np.sqrt(var_cur + var_new)
         switched = d.failed | d.improved
-        unrepaired = reaches(np.where(switched, best.next_hop, prev.next_hop))
+        unrepaired = reaches(np.where(switched, d.installed.next_hop, prev.next_hop))
         for key in keys:
             beaten = bool(
                 diff[key] and math.isfinite(cur[key]) and math.isfinite(new[key])
@@ -159,7 +160,16 @@ def check_run(run: Run, *, symmetric: bool = False) -> dict[tuple[int, int], int
             if not d.changed[key]:
                 continue
             s, t = key
-            assert d.installed.next_hop[key] == best.next_hop[key], "a change not to the best"
+            v, b = int(d.installed.next_hop[key]), int(best.next_hop[key])
+            if v != b:  # only to a path the policy keeps against the best, first in order
+                assert not d.repaired[key], f"{key} repaired to {v}, not to the best {b}"
+                hops = path_cost(best.next_hop, np.ones((n, n)), 0.0)
+                names = best.names
+                assert (hops[v, t], names[v]) < (hops[b, t], names[b]), f"{key}: {v} after {b}"
+                via = link[s, v] + (0.0 if v == t else RELAY_HOP_MS + new_dir[v, t])
+                adv = via - new_dir[s, t]
+                tied = adv < cfg.confirm_abs_ms or adv < cfg.confirm_rel * via
+                assert tied, f"{key} to {v}: {adv:.4f} ms behind the best {b}"
             if d.failed[key]:
                 assert not math.isfinite(cur[key]), f"{key} 'failed' on a working path"
             elif d.repaired[key]:
