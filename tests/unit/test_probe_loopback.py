@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -10,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -39,6 +40,24 @@ async def until(cond: Callable[[], bool], timeout: float = 3.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def one_peer(
+    on_change: Callable[[str, bool], None],
+) -> AsyncIterator[tuple[Prober, Responder]]:
+    """A responder on ::1 and a prober (the default rate and dead time) with it as its
+    one target, "peer"; both closed after."""
+    responder = Responder()
+    await responder.start("::", 0)
+    prober = Prober(ProbeConfig(port=responder.port), on_change=on_change)
+    prober.set_targets([Target("peer", "::1")])
+    await prober.start()
+    try:
+        yield prober, responder
+    finally:
+        await prober.close()
+        responder.close()
 
 
 def garbage(nonce: bytes = b"\0" * 8) -> dict[str, list[bytes]]:
@@ -99,14 +118,11 @@ def test_stopped_responder_is_declared_dead_within_a_second_and_comes_back() -> 
     events: list[tuple[str, bool, float]] = []
 
     async def main() -> None:
-        responder = Responder()
-        await responder.start("::", 0)
-        port = responder.port
-        config = ProbeConfig(port=port)  # the default rate and dead time
-        prober = Prober(config, on_change=lambda n, a: events.append((n, a, time.monotonic())))
-        prober.set_targets([Target("peer", "::1")])
-        await prober.start()
-        try:
+        async with one_peer(lambda n, a: events.append((n, a, time.monotonic()))) as (
+            prober,
+            responder,
+        ):
+            port = responder.port
             await until(lambda: prober.alive("peer") is True)
             assert prober.dead_since("peer") is None
             responder.close()
@@ -121,11 +137,8 @@ def test_stopped_responder_is_declared_dead_within_a_second_and_comes_back() -> 
             restarted = time.monotonic()
             await until(lambda: len(events) == 2, timeout=2.0)
             assert events[1][:2] == ("peer", True)
-            assert events[1][2] - restarted <= config.interval_s + 0.2
+            assert events[1][2] - restarted <= prober.config.interval_s + 0.2
             assert prober.alive("peer") is True and prober.dead_since("peer") is None
-        finally:
-            await prober.close()
-            responder.close()
 
     asyncio.run(main())
     assert [a for _, a, _ in events] == [False, True]
@@ -137,21 +150,11 @@ def test_a_stalled_loop_is_not_a_dead_peer() -> None:
     events: list[tuple[str, bool]] = []
 
     async def main() -> None:
-        responder = Responder()
-        await responder.start("::", 0)
-        prober = Prober(
-            ProbeConfig(port=responder.port), on_change=lambda n, a: events.append((n, a))
-        )
-        prober.set_targets([Target("peer", "::1")])
-        await prober.start()
-        try:
+        async with one_peer(lambda n, a: events.append((n, a))) as (prober, _):
             await until(lambda: prober.alive("peer") is True)
             time.sleep(2.0)  # blocks the event loop: nothing is sent or answered
             await asyncio.sleep(1.5)
             assert prober.alive("peer") is True
-        finally:
-            await prober.close()
-            responder.close()
 
     asyncio.run(main())
     assert events == []
@@ -164,22 +167,15 @@ def test_a_stall_inside_the_probers_own_tick_is_credited() -> None:
     events: list[tuple[str, bool]] = []
 
     async def main() -> None:
-        responder = Responder()
-        await responder.start("::", 0)
-        prober = Prober(
-            ProbeConfig(port=responder.port), on_change=lambda n, a: events.append((n, a))
-        )
-        prober.set_targets([Target("peer", "::1")])
-        await prober.start()
-        tick = prober._tick
-        stalls = [2.0]
+        async with one_peer(lambda n, a: events.append((n, a))) as (prober, _):
+            tick = prober._tick
+            stalls = [2.0]
 
-        def stalled_tick(now: float) -> None:
-            tick(now)
-            if stalls:
-                time.sleep(stalls.pop())  # stopped mid-tick, the loop with it
+            def stalled_tick(now: float) -> None:
+                tick(now)
+                if stalls:
+                    time.sleep(stalls.pop())  # stopped mid-tick, the loop with it
 
-        try:
             await until(lambda: prober.alive("peer") is True)
             before = prober.counters["stalls"]
             prober._tick = stalled_tick  # type: ignore[method-assign]
@@ -187,9 +183,6 @@ def test_a_stall_inside_the_probers_own_tick_is_credited() -> None:
             await asyncio.sleep(1.5)
             assert prober.counters["stalls"] == before + 1
             assert prober.alive("peer") is True
-        finally:
-            await prober.close()
-            responder.close()
 
     asyncio.run(main())
     assert events == []
@@ -298,13 +291,10 @@ def test_a_peer_that_dies_during_a_stall_is_declared_dead_soon_after() -> None:
     events: list[tuple[str, bool, float]] = []
 
     async def main() -> None:
-        responder = Responder()
-        await responder.start("::", 0)
-        config = ProbeConfig(port=responder.port)
-        prober = Prober(config, on_change=lambda n, a: events.append((n, a, time.monotonic())))
-        prober.set_targets([Target("peer", "::1")])
-        await prober.start()
-        try:
+        async with one_peer(lambda n, a: events.append((n, a, time.monotonic()))) as (
+            prober,
+            responder,
+        ):
             await until(lambda: prober.alive("peer") is True)
             responder.close()
             time.sleep(2.0)
@@ -312,10 +302,7 @@ def test_a_peer_that_dies_during_a_stall_is_declared_dead_soon_after() -> None:
             await until(lambda: len(events) == 1, timeout=2.0)
             assert events[0][:2] == ("peer", False)
             # Two probes after the stall go unanswered: about dead_after_s after it.
-            assert events[0][2] - resumed <= config.dead_after_s + 0.3
-        finally:
-            await prober.close()
-            responder.close()
+            assert events[0][2] - resumed <= prober.config.dead_after_s + 0.3
 
     asyncio.run(main())
 
