@@ -626,7 +626,7 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
         k: {"sim": sim.get(k), "lab": lab.get(k), "ok": _time_ok(sim.get(k), lab.get(k))}
         for k in FIRST
     }
-    rows["left_out"] = lab.get("left_out", 0)
+    rows["left_out"], rows["stalled"] = lab.get("left_out", 0), lab.get("stalled", False)
     for name, _, _ in _windows(sc, tl):
         s, m = sim.get(name, {}), lab.get(name, {})
         share = same_routes(s.get("routes"), m.get("routes"))
@@ -644,6 +644,7 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
                         "tolerance": tol,
                         "ok": None if sc_ is None or mc is None else abs(sc_ - mc) <= tol},
             "left_out": m.get("left_out", 0),
+            "stalled": m.get("stalled", False),
             "final_routes_same": {"share": share, "ok": None if share is None else share >= 0.95,
                                   "differ": diff, "exact_ties": ties,
                                   "share_but_ties": None if share is None
@@ -745,29 +746,31 @@ def _tunnel_of(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
     return statistics.median(t["ms"] for t in got), statistics.median(t["sigma_ms"] for t in got)
 
 
-def _calm(runs: list[Any], disturbed: list[bool]) -> tuple[list[Any], int]:
+def _calm(runs: list[Any], disturbed: list[bool]) -> tuple[list[Any], int, bool]:
     """The runs whose window no agent stall touched, if any is left (else all of them),
-    and how many were left out."""
+    how many were left out, and whether every run's window was touched."""
     calm = [r for r, d in zip(runs, disturbed, strict=True) if not d]
-    return (calm, len(runs) - len(calm)) if calm else (runs, 0)
+    return (calm, len(runs) - len(calm), False) if calm else (runs, 0, bool(runs))
 
 
 def _lab_medians(labs: list[dict[str, Any]], sc: Scenario, tl: Timeline) -> dict[str, Any]:
     """Medians over the lab runs; a window in which the agents' probers logged a stall
     (the machine did not run them for 0.5 s or more: the lab failing to keep time, which
     fails over routes in the lab and never in the simulator) is left out while another
-    run has the window calm (``left_out`` says how many)."""
-    first, skipped = _calm(labs, [bool(x.get("disturbed")) for x in labs])
+    run has the window calm (``left_out`` says how many). ``stalled``: every run's
+    window was touched, so the lab did not keep time there and its figures say nothing
+    about the controller (the benchmark's fidelity check, as in issue 14 item 4)."""
+    first, skipped, stalled = _calm(labs, [bool(x.get("disturbed")) for x in labs])
     out: dict[str, Any] = {k: _med([x.get(k) for x in first]) for k in FIRST}
-    out["left_out"] = skipped
+    out["left_out"], out["stalled"] = skipped, stalled
     for name, _, _ in _windows(sc, tl):
         every = [x[name] for x in labs if name in x]
-        rs, skipped = _calm(every, [bool(r.get("disturbed")) for r in every])
+        rs, skipped, stalled = _calm(every, [bool(r.get("disturbed")) for r in every])
         out[name] = {
             k: _med([r.get(k) for r in rs]) for k in ("outage_s", *WINDOW_TIMES, "hop_changes")
         }
         out[name]["routes"] = mode_routes([r.get("routes") for r in rs])
-        out[name]["left_out"] = skipped
+        out[name]["left_out"], out[name]["stalled"] = skipped, stalled
     return out
 
 
@@ -788,10 +791,20 @@ def table(out: dict[str, Any]) -> str:
             return "-"
         return f"{x:.2f}" if isinstance(x, float) else str(x)
 
-    def ok(x: Any) -> str:
-        return {True: "yes", False: "**no**", None: "-"}[x]
+    stalled = False  # the verdict of the row being written
 
-    def out_(n: Any) -> str:
+    def ok(x: Any) -> str:
+        # A goal the lab did not keep time for is neither met nor missed.
+        return (
+            "lab stalled"
+            if stalled and x is not None
+            else {True: "yes", False: "**no**", None: "-"}[x]
+        )
+
+    def out_(r: dict[str, Any]) -> str:
+        if r.get("stalled"):
+            return " (every lab run's agents stalled)"
+        n = r.get("left_out")
         return f" ({n} lab run{'s' if n > 1 else ''} left out: agents stalled)" if n else ""
 
     def ties(fr: dict[str, Any]) -> str:
@@ -810,8 +823,9 @@ def table(out: dict[str, Any]) -> str:
         if c is None:
             continue
         ini, ini5 = c["initial_converge_s"], c["initial_converge_5pct_s"]
+        stalled = bool(c.get("stalled"))
         lines.append(
-            f"| {t['topology']}{out_(c.get('left_out'))} | first routes | | "
+            f"| {t['topology']}{out_(c)} | first routes | | "
             f"| {f(ini['sim'])} / {f(ini['lab'])} "
             f"| {ok(ini['ok'])} | {f(ini5['sim'])} / {f(ini5['lab'])} | {ok(ini5['ok'])} "
             "| | | | |"
@@ -822,8 +836,9 @@ def table(out: dict[str, Any]) -> str:
                 continue
             o, v, ch, fr = r["outage_s"], r["converge_s"], r["changes"], r["final_routes_same"]
             v5 = r["converge_5pct_s"]
+            stalled = bool(r.get("stalled"))
             lines.append(
-                f"| {t['topology']} | {name}{out_(r.get('left_out'))} "
+                f"| {t['topology']} | {name}{out_(r)} "
                 f"| {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
                 f"| {f(v['sim'])} / {f(v['lab'])} | {ok(v['ok'])} "
                 f"| {f(v5['sim'])} / {f(v5['lab'])} | {ok(v5['ok'])} "

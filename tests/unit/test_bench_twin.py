@@ -21,6 +21,7 @@ from meshopt.bench.twin import (
     scenario,
     self_agreement,
     sim_side,
+    table,
 )
 from meshopt.lab.agents import agent_installs, agent_stalls
 
@@ -181,5 +182,23 @@ def test_lab_windows_an_agent_stall_touched_are_left_out_while_calm_runs_remain(
     med = _lab_medians([run(1.0, False), run(9.0, True), run(1.2, False)], sc, SHORT)
     assert med["degradation"]["converge_s"] == pytest.approx(1.1)
     assert med["degradation"]["left_out"] == 1
+    assert not med["degradation"]["stalled"]
     every = _lab_medians([run(1.0, True), run(9.0, True), run(1.2, True)], sc, SHORT)
     assert every["degradation"]["converge_s"] == 1.2 and every["degradation"]["left_out"] == 0
+    assert every["degradation"]["stalled"] and not every["stalled"]  # the first routes: calm
+
+
+def test_a_window_every_lab_runs_agents_stalled_in_is_neither_met_nor_missed() -> None:
+    # The lab did not keep time there (issue 14 item 4): the table says so rather than
+    # judging the controller, and still shows the figures.
+    sc, sim = demo()
+    lab = {k: v for k, v in sim.items() if k != "runs"}
+    slow = {**lab["relay_failure"], "outage_s": 5.0, "stalled": True}
+    rows = compare(sc, SHORT, sim, {**lab, "relay_failure": slow})
+    assert rows["relay_failure"]["stalled"] and rows["relay_failure"]["outage_s"]["ok"] is False
+    text = table({"topologies": [{"topology": "demo", "compare": rows}]})
+    failure = next(x for x in text.splitlines() if "relay_failure" in x)
+    assert "every lab run's agents stalled" in failure and "lab stalled" in failure
+    assert "**no**" not in failure and "5.00" in failure
+    degradation = next(x for x in text.splitlines() if "| degradation" in x)
+    assert "stalled" not in degradation and "yes" in degradation
