@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshopt import policy
 from meshopt.policy import (
     Decision,
     Installed,
@@ -147,6 +148,16 @@ def test_near_equal_relays_are_chosen_by_name_not_by_noise(via1: float, via2: fl
     d = _from_direct(_relays(via1, via2))
     assert d.installed.next_hop[0, 3] == 1 and d.improved[0, 3]
     assert d.installed.next_hop[3, 0] == 1
+
+
+def test_meshes_above_the_bound_leave_a_tie_to_the_estimates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The order's cost grows with moved entries x nodes: above TIE_ORDER_MAX_N the
+    # entry takes the best path of the moment, as before (here via 2, 0.4 ms better).
+    monkeypatch.setattr(policy, "TIE_ORDER_MAX_N", 3)
+    d = _from_direct(_relays(20.0, 19.6))
+    assert d.installed.next_hop[0, 3] == 2
 
 
 def test_the_name_decides_not_the_index() -> None:
