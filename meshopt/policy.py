@@ -109,7 +109,14 @@ import numpy.typing as npt
 
 from meshopt.errors import InputError
 from meshopt.routing.symmetric import allowed_ips_violations
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
+from meshopt.routing.tables import (
+    NO_ROUTE,
+    FloatArray,
+    IntArray,
+    RouteTables,
+    reduce_paths,
+    relay_weights,
+)
 
 BoolArray = npt.NDArray[np.bool_]
 
@@ -205,12 +212,6 @@ def reaches(next_hop: IntArray) -> BoolArray:
     return arrive
 
 
-def _with_relay(link_cost: FloatArray, relay_hop_ms: float) -> FloatArray:
-    w = np.asarray(link_cost, dtype=np.float64) + relay_hop_ms
-    np.fill_diagonal(w, 0.0)
-    return w
-
-
 def _without_relay(cost: FloatArray, relay_hop_ms: float) -> FloatArray:
     off = ~np.eye(cost.shape[0], dtype=bool) & np.isfinite(cost)
     return np.where(off, cost - relay_hop_ms, cost)
@@ -226,7 +227,7 @@ def path_cost(next_hop: IntArray, link_cost: FloatArray, relay_hop_ms: float = 2
     _check_table("next_hop", next_hop, n)
     _check_square("link_cost", link_cost, n)
     return _without_relay(
-        reduce_paths(next_hop, _with_relay(link_cost, relay_hop_ms)), relay_hop_ms
+        reduce_paths(next_hop, relay_weights(link_cost, relay_hop_ms)), relay_hop_ms
     )
 
 
@@ -250,7 +251,7 @@ def rss_path_cost(
         jit = (jit + jit.T) / 2.0
     jit = np.where(np.isfinite(cost), np.minimum(jit, cost), 0.0)
     base = _without_relay(
-        reduce_paths(next_hop, _with_relay(cost - jit, relay_hop_ms)), relay_hop_ms
+        reduce_paths(next_hop, relay_weights(cost - jit, relay_hop_ms)), relay_hop_ms
     )
     out: FloatArray = base + np.sqrt(reduce_paths(next_hop, jit**2))
     return out
@@ -362,7 +363,7 @@ def decide(
         cost = (cost + cost.T) / 2.0
         var = (var + var.T) / 4.0
     if link_jitter is None:
-        w = _with_relay(cost, relay_hop_ms)
+        w = relay_weights(cost, relay_hop_ms)
         cur = _without_relay(reduce_paths(c, w), relay_hop_ms)
         new = _without_relay(reduce_paths(b, w), relay_hop_ms)
     else:
@@ -502,14 +503,15 @@ def _canonical(
     finite = np.isfinite(cost)
     # Along the best routes from every node to d: the cost with a relay hop per link
     # (a path via v then pays one per relay), the hops, the estimates' variance.
-    dist = reduce_paths(b, _with_relay(cost, relay_hop_ms))
+    dist = reduce_paths(b, relay_weights(cost, relay_hop_ms))
     hops = reduce_paths(b, np.where(finite, 1.0, np.inf))
     var_b = reduce_paths(b, var)
     jit = np.zeros((n, n))
+    base = dist  # without jitter terms, the same walk
     if link_jitter is not None:  # priced as decide prices it: a root-sum-square
         sym = (link_jitter + link_jitter.T) / 2.0 if symmetric else link_jitter
         jit = np.where(finite, np.minimum(sym, cost), 0.0)
-    base = reduce_paths(b, _with_relay(cost - jit, relay_hop_ms))
+        base = reduce_paths(b, relay_weights(cost - jit, relay_hop_ms))
     jit2 = reduce_paths(b, jit**2)
     s_all, d_all = np.nonzero(switched)
     step = max(1, _CANDIDATE_CHUNK // max(n, 1))

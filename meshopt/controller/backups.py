@@ -18,7 +18,14 @@ from collections.abc import Callable
 import numpy as np
 
 from meshopt.policy import TIE_ORDER_MAX_N, BoolArray, PolicyConfig
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
+from meshopt.routing.tables import (
+    NO_ROUTE,
+    FloatArray,
+    IntArray,
+    RouteTables,
+    reduce_paths,
+    relay_weights,
+)
 
 # Added to the rank of an alternate that protects only the link, not the installed next
 # hop, so that any node-protecting one comes first (as in meshopt.routing.backup).
@@ -58,9 +65,8 @@ def sticky_backups(
     link = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
     moving = _detoured(hop, best.next_hop)
     if moving.any() and best.dist is not None:
-        w = link.copy()
-        np.fill_diagonal(w, 0.0)
-        reach = reduce_paths(hop, w)  # each node's installed route to d: inf where broken
+        # Each node's installed route to d: inf where broken.
+        reach = reduce_paths(hop, relay_weights(cost, relay_hop_ms))
         with np.errstate(invalid="ignore"):
             # Off the best route by less than the smallest gain the policy moves for: a
             # tie, which it never moves. Others it keeps by hysteresis until a gain is

@@ -64,7 +64,14 @@ from meshopt.policy import (
 )
 from meshopt.routing.backup import add_backups
 from meshopt.routing.incremental import IncrementalRoutes
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
+from meshopt.routing.tables import (
+    NO_ROUTE,
+    FloatArray,
+    IntArray,
+    RouteTables,
+    reduce_paths,
+    relay_weights,
+)
 from meshopt.routing.widest import bandwidth_levels, widest_routes
 
 log = logging.getLogger("meshopt.controller")
@@ -443,8 +450,7 @@ def sticky_bulk(
     n = fresh.shape[0]
     if prev is None or prev.shape != (n, n):
         return fresh
-    w = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
-    np.fill_diagonal(w, 0.0)
+    w = relay_weights(cost, relay_hop_ms)
     old_cost = reduce_paths(prev, w)
     new_cost = reduce_paths(fresh, w)
     levels = bandwidth_levels(bandwidth).astype(np.float64)

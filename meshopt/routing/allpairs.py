@@ -45,7 +45,14 @@ import numpy as np
 
 from meshopt.routing import compiled as compiled_fw
 from meshopt.routing import dense
-from meshopt.routing.tables import NO_ROUTE, FloatArray, IntArray, RouteTables, reduce_paths
+from meshopt.routing.tables import (
+    NO_ROUTE,
+    FloatArray,
+    IntArray,
+    RouteTables,
+    reduce_paths,
+    relay_weights,
+)
 
 if TYPE_CHECKING:  # the reference is for tests: offline commands must not import networkx
     import networkx as nx
@@ -88,8 +95,7 @@ def prepare_weights(
         raise ValueError("link costs must be >= 0 (inf for no link), never NaN")
     if symmetric:
         w = (w + w.T) / 2.0
-    w = w + relay_hop_ms
-    np.fill_diagonal(w, 0.0)
+    w = relay_weights(w, relay_hop_ms)
     return w, w + tie_noise(w.shape[0], symmetric)
 
 

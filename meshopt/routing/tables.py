@@ -94,6 +94,15 @@ def walk_costs(next_hop: IntArray, link: FloatArray, max_hops: int | None = None
     return acc
 
 
+def relay_weights(link_cost: FloatArray, relay_hop_ms: float) -> FloatArray:
+    """Each link's cost as a next-hop walk pays it, one relay hop included, and zero on
+    the diagonal where the walk ends. A path of k hops then sums k relay hops where it
+    pays k - 1: the caller takes the last one off where the path is finite."""
+    w = np.asarray(link_cost, dtype=np.float64) + relay_hop_ms
+    np.fill_diagonal(w, 0.0)
+    return w
+
+
 def reduce_paths(
     next_hop: IntArray, edge: FloatArray, how: Literal["sum", "min"] = "sum"
 ) -> FloatArray:

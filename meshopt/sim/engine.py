@@ -107,7 +107,7 @@ from meshopt.probe.budget import BudgetConfig
 from meshopt.probe.prober import RETRY_MIN_S
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
-from meshopt.routing.tables import IntArray, reduce_paths
+from meshopt.routing.tables import IntArray, reduce_paths, relay_weights
 from meshopt.sim.budget import LinkBudget
 from meshopt.sim.estimator import BoolArray, LinkEstimator
 from meshopt.sim.events import Event, check_events
@@ -1290,9 +1290,7 @@ def _matrices(
 
 def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
     """Metric cost of the given routes under the ground truth (inf where they are broken)."""
-    w = truth.cost + relay
-    np.fill_diagonal(w, 0.0)
-    c = reduce_paths(nh, w)
+    c = reduce_paths(nh, relay_weights(truth.cost, relay))
     c[~np.eye(nh.shape[0], dtype=bool) & np.isfinite(c)] -= relay
     return c
 
@@ -1356,9 +1354,7 @@ def _sum_paths_cols(next_hop: IntArray, edge: FloatArray, cols: IntArray) -> Flo
 
 def _true_cost_cols(truth: _Truth, nh: IntArray, relay: float, cols: IntArray) -> FloatArray:
     """``_true_cost(truth, nh, relay)[:, cols]``, walking only those destinations."""
-    w = truth.cost + relay
-    np.fill_diagonal(w, 0.0)
-    c = _sum_paths_cols(nh, w, cols)
+    c = _sum_paths_cols(nh, relay_weights(truth.cost, relay), cols)
     off = np.arange(nh.shape[0])[:, None] != cols[None, :]
     c[off & np.isfinite(c)] -= relay
     return c
