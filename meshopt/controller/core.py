@@ -447,6 +447,16 @@ class ControllerCore:
                     ", ".join(f"{names[a]}-{names[b]}" for a, b in sorted(self.awaiting)),
                     self.revive_until - now,
                 )
+        if not routine and log.isEnabledFor(logging.DEBUG):
+            # When a report that moves routes left its agent and got here: where a slow
+            # reroute's seconds went (the agent, the broker, or this loop).
+            log.debug(
+                "telemetry from %s: %s, %d peers, %.0f ms after it was sent",
+                name,
+                "snapshot" if t.full else "change report",
+                len(t.table.keys) // 32 if t.table is not None else 0,
+                (wall - t.sent_at) * 1000.0,
+            )
         if changed:  # a heartbeat only keeps the node fresh: nothing to recompute
             self.mark_dirty(now, routine=routine)
             if not routine:
