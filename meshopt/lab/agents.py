@@ -180,7 +180,7 @@ def start_controller(
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,  # not a session of its own: see procs.spawn
         )
     finally:
         log.close()

@@ -308,7 +308,7 @@ class DeployedMachines:
         capabilities: Sequence[str] = (),
     ) -> Service:
         """Start a long-running ``argv`` on machine ``name`` (as systemd would start the
-        unit ``service``): its own session, output to ``<journal>/<service>.log``.
+        unit ``service``): its own process group, output to ``<journal>/<service>.log``.
 
         With ``user``: as that user (and its group), holding only ``capabilities``
         (``CAP_NET_ADMIN``, ...) as ambient ones, with no way to gain more: the unit's
@@ -327,7 +327,7 @@ class DeployedMachines:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=self.env(name, env),
-                start_new_session=True,
+                process_group=0,  # not a session of its own: see procs.spawn
             )
         s = Service(name, service, proc, log)
         self.services.append(s)

@@ -883,7 +883,7 @@ def start_emulator(
     timeout: float = 30.0,
     log_path: str | os.PathLike[str] | None = None,
     die_with_parent: bool = True,
-    new_session: bool = False,
+    detach: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the emulator for ``spec_path`` and return once it printed READY.
 
@@ -893,7 +893,8 @@ def start_emulator(
     ``die_with_parent`` the kernel sends it SIGTERM if the caller dies, so a crashed
     test run cannot leave it (and its TUNs) behind; Linux ties this to the *thread*
     that started it, so call this from a thread that lives as long as the lab (or pass
-    False). ``new_session`` detaches it from the caller's terminal, for a lab that
+    False). ``detach`` puts it in a process group of its own (not a session: see
+    :func:`meshopt.lab.procs.spawn`), off the caller's terminal, for a lab that
     outlives the command that built it. On failure or timeout the process is ended and
     EmulatorError carries its stderr; a bad spec raises SpecError before anything starts.
     """
@@ -911,7 +912,7 @@ def start_emulator(
             stdout=subprocess.PIPE,
             stderr=log_file,
             env=full_env,
-            start_new_session=new_session,
+            process_group=0 if detach else None,
         )
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout

@@ -337,7 +337,7 @@ class Lab:
         spec_path = directory / "emu.json"
         write_spec(spec, spec_path)
         try:
-            proc = start_emulator(spec_path, die_with_parent=False, new_session=True)
+            proc = start_emulator(spec_path, die_with_parent=False, detach=True)
         except EmulatorError as exc:
             raise LabError(str(exc)) from None
         self._track("emulator", proc.pid, None, directory / "emu.log")

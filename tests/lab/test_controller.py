@@ -8,6 +8,7 @@ controllers accept telemetry only from n1..n4. Tests restore what they change.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,6 +79,22 @@ def test_one_controller_publishes_and_routes_are_measured(mesh: LiveMesh) -> Non
     # more on the direct tunnel.
     rtts = mesh.ping("n1", "n4", count=20)
     assert rtts and min(rtts) < 45.0, sorted(rtts)
+
+
+def test_the_lab_keeps_every_process_in_the_session_that_built_it(mesh: LiveMesh) -> None:
+    """A session is a scheduling group of its own (the kernel's autogroups), and beside a
+    busy lab such groups starved for seconds: the controller and the broker had their
+    own, and telemetry reached the controller 0.4-2 s late (see procs.spawn). The
+    daemons lead process groups of their own, which a terminal's Ctrl-C never reaches."""
+    lab = mesh.lab
+    ours = os.getsid(0)
+    daemons = {f"controller {c}": p.pid for c, p in mesh.controllers.items()}
+    daemons |= {p.role: p.pid for p in lab.state.procs if p.role in ("broker", "emulator")}
+    assert len(daemons) == 4, daemons
+    every = daemons | {f"agent {n}": p.pid for n, p in mesh.agents.items()}
+    every |= {p.role: p.pid for p in lab.state.procs}
+    assert {what: os.getsid(pid) for what, pid in every.items()} == dict.fromkeys(every, ours)
+    assert {what: os.getpgid(pid) for what, pid in daemons.items()} == daemons
 
 
 def test_next_hops_read_over_uapi_are_what_wg_show_lists(mesh: LiveMesh) -> None:

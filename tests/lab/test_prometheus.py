@@ -110,7 +110,7 @@ def observed(lab_ok: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, procs.TAG: lab.plan.lab_id},  # `lab down` ends it if we fail
-            start_new_session=True,
+            process_group=0,  # not a session of its own: see procs.spawn
         )
         log.close()
         live.prometheus_log = tmp / "prometheus.log"  # type: ignore[attr-defined]
