@@ -69,6 +69,7 @@ def peer_report(
         loss=stats.loss if stats and stats.sent else None,
         samples=stats.samples if stats else 0,
         probes_sent=stats.sent if stats else 0,
+        loss_outcomes=round(stats.loss_outcomes) if stats else 0,
         handshake_age_s=peer.handshake_age_s,
         rx_bytes=peer.rx_bytes,
         tx_bytes=peer.tx_bytes,

@@ -125,6 +125,10 @@ class PeerReport(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     loss: float | None = None
     samples: int = 0
     probes_sent: int = 0
+    # How many probe outcomes ``loss`` rests on: the window's, or more with the prober's
+    # loss memory (meshopt.estimate.pooled_loss). 0: not told (the controller takes the
+    # window's, ``samples`` / (1 - loss)).
+    loss_outcomes: int = 0
     handshake_age_s: float | None = None
     rx_bytes: int = 0
     tx_bytes: int = 0
@@ -178,6 +182,7 @@ COLUMNS: Final[dict[str, str]] = {
     "loss": "<u2",
     "samples": "<u4",
     "probes_sent": "<u4",
+    "loss_outcomes": "<u4",
     "handshake_age": "<u4",
     "rx_bytes": "<u8",
     "tx_bytes": "<u8",
@@ -253,6 +258,7 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     loss: bytes = b""
     samples: bytes = b""
     probes_sent: bytes = b""
+    loss_outcomes: bytes = b""
     handshake_age: bytes = b""
     rx_bytes: bytes = b""
     tx_bytes: bytes = b""
@@ -329,6 +335,7 @@ class PeerTable(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
             "loss": scaled("loss", RATIO_UNIT, NONE_U16, 4),
             "samples": plain("samples", 0),
             "probes_sent": plain("probes_sent", 0),
+            "loss_outcomes": plain("loss_outcomes", 0),
             "handshake_age_s": scaled("handshake_age", AGE_UNIT_S, NONE_U32, 1),
             "rx_bytes": plain("rx_bytes", 0),
             "tx_bytes": plain("tx_bytes", 0),
@@ -424,6 +431,7 @@ def peer_table(peers: Sequence[PeerReport]) -> PeerTable:
             "loss": _pack_opt([p.loss for p in peers], RATIO_UNIT, NONE_U16, "H"),
             "samples": _pack_int([p.samples for p in peers], "I"),
             "probes_sent": _pack_int([p.probes_sent for p in peers], "I"),
+            "loss_outcomes": _pack_int([p.loss_outcomes for p in peers], "I"),
             "handshake_age": _pack_opt(
                 [p.handshake_age_s for p in peers], AGE_UNIT_S, NONE_U32, "I"
             ),
@@ -1039,7 +1047,7 @@ def _check_peer(p: PeerReport, i: int) -> None:
     for name in ("rtt_ms", "rtt_min_ms", "rtt_median_ms", "rtt_p95_ms", "jitter_ms", "noise_ms"):
         _num(getattr(p, name), f"{f}.{name}", hi=MAX_PEER_DELAY_MS)
     _num(p.loss, f + ".loss", 0.0, 1.0)
-    for name in ("samples", "probes_sent", "rx_bytes", "tx_bytes"):
+    for name in ("samples", "probes_sent", "loss_outcomes", "rx_bytes", "tx_bytes"):
         _int(getattr(p, name), f"{f}.{name}")
     for name in ("handshake_age_s", "bandwidth_age_s"):
         _num(getattr(p, name), f"{f}.{name}", hi=MAX_PEER_AGE_S)

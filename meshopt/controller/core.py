@@ -817,7 +817,7 @@ class ControllerCore:
             arr = _PeerArrays.of_table(t.table)
             cs, ss, _ = link_matrices(
                 metric, arr.rtt, arr.jitter, arr.loss, arr.noise, arr.samples, arr.sent,
-                arr.alive == 0, np.zeros(len(arr.keys)),
+                arr.loss_n, arr.alive == 0, np.zeros(len(arr.keys)),
             )  # fmt: skip
             keys += arr.keys
             costs += cs.tolist()

@@ -215,6 +215,7 @@ class _PeerArrays:
     noise: FloatArray
     samples: FloatArray
     sent: FloatArray  # probes sent to the peer so far
+    loss_n: FloatArray  # outcomes the loss rests on (0: not told)
     bandwidth: FloatArray
     pmtu: FloatArray
     version: int  # the rows' change count when they were built (-1: from a table)
@@ -243,6 +244,7 @@ class _PeerArrays:
             noise=col("noise_ms"),
             samples=np.array([p.samples for p in reps], dtype=np.float64),
             sent=np.array([p.probes_sent for p in reps], dtype=np.float64),
+            loss_n=np.array([p.loss_outcomes for p in reps], dtype=np.float64),
             bandwidth=col("bandwidth_mbit"),
             pmtu=col("pmtu"),
             version=rows.version,
@@ -302,6 +304,7 @@ class _PeerArrays:
             noise=scaled("noise", DELAY_UNIT_MS, NONE_U32, MAX_DELAY_MS),
             samples=plain("samples"),
             sent=plain("probes_sent"),
+            loss_n=plain("loss_outcomes"),
             bandwidth=bw,
             pmtu=pmtu,
             version=-1,
@@ -723,7 +726,7 @@ class MeshView:
             jit = np.nan_to_num(a.jitter[ok], nan=0.0)
             age = max(0.0, now - info.last_seen)
             c, sd, term = link_matrices(
-                m, r, jit, a.loss[ok], a.noise[ok], a.samples[ok], a.sent[ok],
+                m, r, jit, a.loss[ok], a.noise[ok], a.samples[ok], a.sent[ok], a.loss_n[ok],
                 a.alive[ok] == 0, np.full(len(r), age),
             )  # fmt: skip
             unknown = np.isnan(r)
@@ -751,6 +754,7 @@ def link_matrices(
     noise: FloatArray,
     samples: FloatArray,
     sent: FloatArray,
+    loss_n: FloatArray,
     dead: npt.NDArray[np.bool_],
     age_s: FloatArray,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -762,8 +766,9 @@ def link_matrices(
     link costs ``unknown_cost_ms``), ``jitter``, ``loss`` and ``noise`` NaN where not
     reported, ``dead`` where the agent says the peer is dead (inf). The loss has the
     young link's lost first probes forgiven (:func:`handshake_loss_discounted`); the
-    deviation combines the RTT estimate's noise, the loss estimate's (a window of n
-    probes, through the loss penalty) and the jitter term's (:func:`jitter_noise_ms`).
+    deviation combines the RTT estimate's noise, the loss estimate's (over the
+    ``loss_n`` outcomes it rests on, where 0 the window's ``samples / (1 - loss)``,
+    through the loss penalty) and the jitter term's (:func:`jitter_noise_ms`).
     The jitter term is 0 where the RTT is unknown or the link dead.
     """
     m = metric
@@ -772,7 +777,7 @@ def link_matrices(
     nz = np.nan_to_num(noise, nan=0.0)
     c = m.link_costs(rtt, jit, p, age_s)
     q = np.maximum(1.0 - p, 1e-3)
-    n = np.maximum(samples, 1.0) / q
+    n = loss_outcomes(loss_n, samples, q)
     loss_sd = np.sqrt(p * (1.0 - p) / n)
     slope = m.loss_penalty_ms / q**2
     jsd = jitter_noise_ms(m.jitter_weight * jit, samples)
@@ -785,6 +790,14 @@ def link_matrices(
     with np.errstate(invalid="ignore"):
         term = np.where(np.isfinite(c) & ~unknown, np.minimum(m.jitter_weight * jit, c), 0.0)
     return np.asarray(c, dtype=np.float64), np.asarray(sd, dtype=np.float64), term
+
+
+def loss_outcomes(loss_n: FloatArray, samples: FloatArray, q: FloatArray) -> FloatArray:
+    """How many probe outcomes a loss estimate rests on: as the agent told it
+    (``loss_n``, with its loss memory), else the window's (``samples / q``, ``q`` the
+    share answered) from an agent that does not tell it."""
+    out: FloatArray = np.where(loss_n > 0, loss_n, np.maximum(samples, 1.0) / q)
+    return out
 
 
 # The agents' default probe window: while a link has sent no more probes than this, its
@@ -856,7 +869,13 @@ def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, flo
     # The loss estimate is noisy too (a window of n probes), and through the loss
     # penalty its noise can outweigh the RTT's: the policy must see both.
     p = sample.loss
-    n = max(rep.samples, 1) / max(1.0 - p, 1e-3)
+    n = float(
+        loss_outcomes(
+            np.array([float(rep.loss_outcomes)]),
+            np.array([float(rep.samples)]),
+            np.array([max(1.0 - p, 1e-3)]),
+        )[0]
+    )
     loss_sd = math.sqrt(p * (1.0 - p) / n)
     slope = metric.loss_penalty_ms / max(1.0 - p, 1e-3) ** 2
     # The jitter term is an estimate too: its standard error follows from the samples

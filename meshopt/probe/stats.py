@@ -2,7 +2,10 @@
 
 Two kinds of figure:
 
-* over the last ``window`` probes with an outcome: loss, min / median / p95 RTT;
+* over the last ``window`` probes with an outcome: min / median / p95 RTT, and the
+  loss, pooled with a decaying memory of the outcomes before (``loss_outcomes``: how
+  many it rests on) unless the window says the loss changed
+  (:func:`meshopt.estimate.pooled_loss`);
 * smoothed over time by the one estimator of :mod:`meshopt.estimate` (the simulator
   runs the same one for every link): ``srtt_ms`` is the robust EWMA of RTT samples
   (half-life ``half_life_s``; samples far outside the link's spread, such as a stall's
@@ -21,12 +24,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from meshopt.estimate import (
+    BIRTH_SLACK,
     DEFAULT_HALF_LIFE_S,
     TABLE,
     RobustConfig,
     RttEstimator,
     alpha_for,
+    loss_changed,
+    pooled_loss,
     quantile,
+    remember_loss,
+    remembers,
     tables,
     warm_up_tables,
 )
@@ -51,7 +59,7 @@ class ProbeStats:
     sent: int  # since the window was created
     received: int
     lost: int
-    loss: float  # lost / outcomes over the window, 0..1
+    loss: float  # 0..1: lost / outcomes over the window, pooled with the memory
     samples: int  # RTT samples in the window
     rtt_min_ms: float | None
     rtt_median_ms: float | None
@@ -63,6 +71,7 @@ class ProbeStats:
     rtt_std_ms: float | None = None  # standard deviation of the samples (the one jitter)
     srtt_mean_ms: float | None = None  # plain EWMA of every sample
     outliers: int = 0  # samples the estimator rejected since the window was created
+    loss_outcomes: float = 0.0  # outcomes ``loss`` rests on (the window's, or with memory)
 
 
 class PeerWindow:
@@ -90,6 +99,14 @@ class PeerWindow:
         self.lost = 0
         self.last_reply_at: float | None = None
         self.last_loss_at: float | None = None
+        # The loss memory (meshopt.estimate.pooled_loss): outcomes counted so far and
+        # lost in the window, the last outcome that may not enter the memory (None: the
+        # peer never answered), and the decayed lost and outcome counts it holds.
+        self._counted = 0
+        self._window_lost = 0
+        self._forget_until: int | None = None
+        self._old_lost = 0.0
+        self._old_outcomes = 0.0
         # The last stats(), until an outcome changes them (the agent asks for every
         # peer's each second; a slowly probed peer has a new outcome every few).
         self._stats: ProbeStats | None = None
@@ -105,6 +122,8 @@ class PeerWindow:
                 break
             del outcomes[last]
             dropped += 1
+        self._counted -= dropped
+        self._window_lost -= dropped
         if dropped:
             self._stats = None
         return dropped
@@ -118,6 +137,8 @@ class PeerWindow:
             return False
         self.received += 1
         self.last_reply_at = now
+        if self._forget_until is None:
+            self._forget_until = self.sent + BIRTH_SLACK
         self.estimator.add(rtt_ms, now)
         return True
 
@@ -133,9 +154,23 @@ class PeerWindow:
         if seq in self._outcomes:
             return False
         self._stats = None
-        self._outcomes[seq] = rtt_ms
-        if len(self._outcomes) > self.window:
-            del self._outcomes[next(iter(self._outcomes))]
+        outcomes = self._outcomes
+        outcomes[seq] = rtt_ms
+        self._counted += 1
+        self._window_lost += rtt_ms is None
+        if len(outcomes) > self.window:
+            gone = next(iter(outcomes))
+            was_lost = outcomes.pop(gone) is None
+            self._window_lost -= was_lost
+            if not remembers(self._counted - self.window, self._forget_until):
+                pass
+            elif loss_changed(self._window_lost, self.window, self._old_lost, self._old_outcomes):
+                self._old_lost = self._old_outcomes = 0.0
+                self._forget_until = self._counted
+            else:
+                self._old_lost, self._old_outcomes = remember_loss(
+                    self._old_lost, self._old_outcomes, was_lost
+                )
         return True
 
     def stats(self) -> ProbeStats:
@@ -151,12 +186,13 @@ class PeerWindow:
         rtts = sorted(r for r in self._outcomes.values() if r is not None)
         outcomes = len(self._outcomes)
         lost = outcomes - len(rtts)
+        loss, loss_outcomes = pooled_loss(lost, outcomes, self._old_lost, self._old_outcomes)
         est = self.estimator
         return ProbeStats(
             sent=self.sent,
             received=self.received,
             lost=self.lost,
-            loss=lost / outcomes if outcomes else 0.0,
+            loss=loss,
             samples=len(rtts),
             rtt_min_ms=rtts[0] if rtts else None,
             rtt_median_ms=_median_of_sorted(rtts) if rtts else None,
@@ -168,6 +204,7 @@ class PeerWindow:
             rtt_std_ms=est.std(),
             srtt_mean_ms=est.mean_ms,
             outliers=est.outliers,
+            loss_outcomes=loss_outcomes,
         )
 
 

@@ -10,7 +10,8 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    reply arrives (one RTT after its probe, in the tick it lands in), to the
    agents' estimator (:class:`meshopt.sim.estimator.LinkEstimator`, the agent's
    :mod:`meshopt.estimate` rules vectorised, robust outlier rule included) and the
-   prober's window (loss and samples over the last 64 probes). With the probe budget
+   prober's window (loss and samples over the last 64 probes, the loss pooled with
+   its loss memory as the prober's). With the probe budget
    (``budget``, on as in the agent: :mod:`meshopt.sim.budget`) a link that relays
    nothing, 30 s after its agent's routes last moved, is probed only every idle
    interval (2 s), on its phase (the two ends of a tunnel half an interval apart), and
@@ -99,7 +100,7 @@ from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import RouteEngine, startup_policy
 from meshopt.controller.view import Matrices, link_matrices, warmed_up
 from meshopt.errors import InputError
-from meshopt.estimate import WARM_SAMPLES, RobustConfig
+from meshopt.estimate import BIRTH_SLACK, WARM_SAMPLES, RobustConfig
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig
@@ -109,7 +110,15 @@ from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
 from meshopt.routing.tables import IntArray, reduce_paths, relay_weights
 from meshopt.sim.budget import LinkBudget
-from meshopt.sim.estimator import BoolArray, LinkEstimator
+from meshopt.sim.estimator import (
+    NEVER_ANSWERED,
+    BoolArray,
+    LinkEstimator,
+    loss_changed,
+    pooled_loss,
+    remember_loss,
+    remembers,
+)
 from meshopt.sim.events import Event, check_events
 from meshopt.sim.report import EventResult, GainSummary, SimPerf, SimReport, summarize_gains
 from meshopt.topology.model import Topology
@@ -538,7 +547,8 @@ class _Agents:
     """What the agents measured and what they last told the controller, every link at once.
 
     The prober's window (``loss``, ``samples`` over the last ``window`` probes, as
-    :class:`meshopt.probe.stats.ProbeStats`) is kept as two bit registers per link; the
+    :class:`meshopt.probe.stats.ProbeStats`) is kept as two bit registers per link and
+    its loss memory (:func:`meshopt.estimate.pooled_loss`) as two decayed counts; the
     RTT estimate is :class:`~meshopt.sim.estimator.LinkEstimator`. ``pub_*`` are the
     values of the last telemetry each agent sent (the controller's view of the mesh).
     """
@@ -548,6 +558,12 @@ class _Agents:
     sent: npt.NDArray[np.int64]
     got_bits: npt.NDArray[np.uint64]
     lost_bits: npt.NDArray[np.uint64]
+    # The loss memory (the prober's PeerWindow): outcomes counted, the last one that may
+    # not enter the memory, the decayed lost and outcome counts it holds.
+    counted: npt.NDArray[np.int64]
+    forget_until: npt.NDArray[np.int64]
+    old_lost: FloatArray
+    old_outcomes: FloatArray
     last_reply: FloatArray  # -inf: never answered (the prober's alive is None)
     pub_alive: npt.NDArray[np.int64]
     pub_rtt: FloatArray
@@ -556,6 +572,7 @@ class _Agents:
     pub_loss: FloatArray
     pub_samples: FloatArray
     pub_sent: FloatArray
+    pub_loss_n: FloatArray
     last_seen: FloatArray  # per node: its last telemetry (-inf: none yet)
     last_full: FloatArray
     next_check: FloatArray
@@ -570,6 +587,10 @@ class _Agents:
             sent=np.zeros((n, n), dtype=np.int64),
             got_bits=np.zeros((n, n), dtype=np.uint64),
             lost_bits=np.zeros((n, n), dtype=np.uint64),
+            counted=np.zeros((n, n), dtype=np.int64),
+            forget_until=np.full((n, n), NEVER_ANSWERED, dtype=np.int64),
+            old_lost=z.copy(),
+            old_outcomes=z.copy(),
             last_reply=np.full((n, n), -np.inf),
             pub_alive=np.full((n, n), -1, dtype=np.int64),
             pub_rtt=np.full((n, n), np.nan),
@@ -578,6 +599,7 @@ class _Agents:
             pub_loss=z.copy(),
             pub_samples=z.copy(),
             pub_sent=z.copy(),
+            pub_loss_n=z.copy(),
             last_seen=np.full(n, -np.inf),
             last_full=np.full(n, -np.inf),
             next_check=boot + check_interval(False, 0.0, tel),
@@ -593,6 +615,7 @@ class _Agents:
         """One probe round: ``probed`` links sent one (None: all), ``got`` answered."""
         mask = np.uint64((1 << self.window) - 1) if self.window < 64 else np.uint64(2**64 - 1)
         one = np.uint64(1)
+        evicted, evicted_lost = self._leaving(probed)
         g = (self.got_bits << one) & mask | got.astype(np.uint64)
         if probed is None:
             self.sent += 1
@@ -604,6 +627,35 @@ class _Agents:
             self.got_bits = np.where(probed, g, self.got_bits)
             self.lost_bits = np.where(probed, lo, self.lost_bits)
         np.copyto(self.last_reply, reply_at, where=got)
+        born = got & (self.forget_until == NEVER_ANSWERED)
+        np.copyto(self.forget_until, self.sent + BIRTH_SLACK, where=born)
+        if evicted.size:  # into the loss memory, as the prober's PeerWindow._record
+            ol, oo = self.old_lost.ravel(), self.old_outcomes.ravel()
+            window_lost = _popcount(self.lost_bits.ravel()[evicted]).astype(np.float64)
+            outcomes = np.full(evicted.size, float(self.window))
+            changed = loss_changed(window_lost, outcomes, ol[evicted], oo[evicted])
+            ol[evicted], oo[evicted] = remember_loss(ol[evicted], oo[evicted], evicted_lost)
+            forget = evicted[changed]
+            ol[forget] = oo[forget] = 0.0
+            self.forget_until.ravel()[forget] = self.counted.ravel()[forget]
+
+    def _leaving(self, probed: BoolArray | None) -> tuple[IntArray, BoolArray]:
+        """Count a probe round's outcomes. The links (flat indices) whose full window it
+        pushes an outcome out of that may enter the loss memory (not a birth outcome,
+        nor one in the window when the memory was last forgotten), and whether that
+        outcome was a loss."""
+        top = np.uint64(1 << (self.window - 1))
+        full = ((self.got_bits | self.lost_bits) & top) != 0
+        if probed is None:
+            self.counted += 1
+        else:
+            self.counted += probed
+            full &= probed
+        idx = np.flatnonzero(full)
+        if idx.size:
+            ordinal = self.counted.ravel()[idx] - self.window
+            idx = idx[remembers(ordinal, self.forget_until.ravel()[idx])]
+        return idx, (self.lost_bits.ravel()[idx] & top) != 0
 
     def forget_outage(self, back: BoolArray) -> None:
         """Links answering again after being dead drop the losses since their last reply
@@ -613,6 +665,7 @@ class _Agents:
         run = np.bitwise_count((lost ^ (lost + one)) >> one).astype(np.uint64)
         self.lost_bits[back] = lost >> run
         self.got_bits[back] = self.got_bits[back] >> run
+        self.counted[back] -= run.astype(np.int64)
 
 
 @dataclass
@@ -1212,8 +1265,7 @@ def _report(
     got = _popcount(a.got_bits[rows]).astype(np.float64)
     lost = _popcount(a.lost_bits[rows]).astype(np.float64)
     outcomes = got + lost
-    with np.errstate(divide="ignore", invalid="ignore"):
-        loss = np.where(outcomes > 0, lost / outcomes, 0.0)
+    loss, loss_n = pooled_loss(lost, outcomes, a.old_lost[rows], a.old_outcomes[rows])
     answered = np.isfinite(a.last_reply[rows])
     alive = np.where(dead[rows], 0, np.where(answered, 1, -1)).astype(np.int64)
     rtt = np.where(answered, est.srtt[rows], np.nan)
@@ -1236,6 +1288,7 @@ def _report(
     a.pub_loss[ri, ci] = loss[take]
     a.pub_samples[ri, ci] = got[take]
     a.pub_sent[ri, ci] = a.sent[rows][take]
+    a.pub_loss_n[ri, ci] = np.rint(loss_n[take])
     a.last_seen[rows] = now
     a.last_full[rows] = np.where(full[:, 0], now, a.last_full[rows])
     # Fast checks until the row was told warm (the agent's Cadence.warm), for at most
@@ -1276,7 +1329,7 @@ def _matrices(
     age = np.where(np.isfinite(age), age, 0.0)
     cost, sd, term = link_matrices(
         metric, a.pub_rtt, a.pub_jitter, a.pub_loss, a.pub_noise,
-        a.pub_samples, a.pub_sent, a.pub_alive == 0, age,
+        a.pub_samples, a.pub_sent, a.pub_loss_n, a.pub_alive == 0, age,
     )  # fmt: skip
     known = tunnel & heard[:, None] & heard[None, :]
     cost = np.where(known, cost, np.inf)

@@ -35,6 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.estimate import (
+    LOSS_CHANGE_Z,
+    LOSS_MEMORY_DECAY,
     PLAIN,
     TABLE,
     RobustConfig,
@@ -49,7 +51,15 @@ FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
 _T = TypeVar("_T", bound=np.generic)
 
-__all__ = ["LinkEstimator", "alpha_for"]
+__all__ = [
+    "NEVER_ANSWERED",
+    "LinkEstimator",
+    "alpha_for",
+    "loss_changed",
+    "pooled_loss",
+    "remember_loss",
+    "remembers",
+]
 
 _TABLE = TABLE
 
@@ -266,3 +276,46 @@ class LinkEstimator:
         a = self.a_loss
         p = np.clip(self.loss, 0.0, 1.0)
         return np.asarray(np.sqrt(p * (1.0 - p) * a / (2.0 - a)))
+
+
+# -- the prober's loss memory (meshopt.estimate.pooled_loss), every link at once ---------
+
+NEVER_ANSWERED = np.iinfo(np.int64).max  # ``forget_until`` of a peer that never answered
+
+
+def remembers(ordinal: npt.NDArray[np.int64], forget_until: npt.NDArray[np.int64]) -> BoolArray:
+    """:func:`meshopt.estimate.remembers` (NEVER_ANSWERED for its None)."""
+    return np.asarray(ordinal > forget_until)
+
+
+def loss_changed(
+    lost: FloatArray, outcomes: FloatArray, old_lost: FloatArray, old_outcomes: FloatArray
+) -> BoolArray:
+    """:func:`meshopt.estimate.loss_changed`."""
+    z2 = LOSS_CHANGE_Z * LOSS_CHANGE_Z
+    with np.errstate(divide="ignore", invalid="ignore"):
+        pooled = (lost + old_lost) / (outcomes + old_outcomes)
+        diff = lost / outcomes - old_lost / old_outcomes
+        var = pooled * (1.0 - pooled) * (1.0 / outcomes + 1.0 / old_outcomes)
+        out = (old_outcomes >= 1.0) & (outcomes > 0) & (diff * diff > z2 * var)
+    return np.asarray(out)
+
+
+def remember_loss(
+    old_lost: FloatArray, old_outcomes: FloatArray, lost: BoolArray
+) -> tuple[FloatArray, FloatArray]:
+    """:func:`meshopt.estimate.remember_loss`."""
+    d = LOSS_MEMORY_DECAY
+    return old_lost * d + lost.astype(np.float64), old_outcomes * d + 1.0
+
+
+def pooled_loss(
+    lost: FloatArray, outcomes: FloatArray, old_lost: FloatArray, old_outcomes: FloatArray
+) -> tuple[FloatArray, FloatArray]:
+    """:func:`meshopt.estimate.pooled_loss`: (loss, the outcomes it rests on)."""
+    changed = loss_changed(lost, outcomes, old_lost, old_outcomes)
+    use = (old_outcomes >= 1.0) & (outcomes > 0) & ~changed
+    with np.errstate(divide="ignore", invalid="ignore"):
+        short = np.where(outcomes > 0, lost / outcomes, 0.0)
+        pooled = (lost + old_lost) / (outcomes + old_outcomes)
+    return np.where(use, pooled, short), np.where(use, outcomes + old_outcomes, outcomes)

@@ -294,7 +294,7 @@ def test_cost_uses_the_metric(trio: tuple[Node, Node, Node]) -> None:
     assert cost_of(view, 0.0, "a", "b") == pytest.approx(13.0 + 200 * 0.05 / 0.95)
 
 
-def loss_noise(loss: float, samples: int, noise_ms: float, penalty: float = 200.0) -> float:
+def loss_noise(loss: float, samples: float, noise_ms: float, penalty: float = 200.0) -> float:
     """Binomial standard error of the loss estimate, through the loss penalty's slope."""
     probes = samples / (1 - loss)  # samples count replies: probes sent = replies / (1 - p)
     sd = math.sqrt(loss * (1 - loss) / probes)
@@ -326,6 +326,28 @@ def test_noise_includes_the_loss_estimates_noise(trio: tuple[Node, Node, Node]) 
     assert m.noise[ib, ia] == pytest.approx(loss_noise(0.05, 16, 0.0))
     assert m.noise[ib, ia] == pytest.approx(4 * m.noise[ic, ia])
     assert m.noise[ib, ic] == 0.0, "no link, no noise"
+
+
+def test_the_loss_noise_rests_on_the_outcomes_the_agent_says(
+    trio: tuple[Node, Node, Node],
+) -> None:
+    a, b, c = trio
+    view = MeshView(MESH)
+    # b and c report the same 1.5 % over the same window; c's agent pooled it with its
+    # loss memory (meshopt.estimate.pooled_loss): 256 outcomes, half the noise.
+    view.take("b", b.telemetry([peer(a.keys[0], 150.0, loss=0.015, samples=63)], sent_at=1), 0)
+    view.take(
+        "c",
+        c.telemetry([peer(a.keys[0], 150.0, loss=0.015, samples=63, loss_outcomes=256)], sent_at=1),
+        0.0,
+    )
+    view.take("a", a.telemetry([peer(b.keys[0], 150.0), peer(c.keys[0], 150.0)], sent_at=1), 0)
+    m = view.matrices(0.0)
+    ia, ib, ic = (m.names.index(x) for x in "abc")
+    assert m.cost[ib, ia] == pytest.approx(m.cost[ic, ia])
+    assert m.noise[ib, ia] == pytest.approx(loss_noise(0.015, 63, 0.0))
+    assert m.noise[ic, ia] == pytest.approx(loss_noise(0.015, 256 * 0.985, 0.0))
+    assert m.noise[ic, ia] == pytest.approx(m.noise[ib, ia] / 2, rel=0.01)
 
 
 def test_cost_of_an_ageing_report_rises(trio: tuple[Node, Node, Node]) -> None:

@@ -177,3 +177,103 @@ def test_timer_error_quantiles_from_one_sort_match_each_alone() -> None:
     assert timer.median_p95_us() == pytest.approx((timer.median_us(), timer.p95_us()))
     timer.add(0, 10_000)
     assert timer.median_p95_us() == pytest.approx((timer.median_us(), timer.p95_us()))
+
+
+def loss_run(
+    rates: list[float], seed: int, births: int = 0
+) -> tuple[list[tuple[float, float]], list[float]]:
+    """A PeerWindow fed one probe per rate (lost with that probability) after ``births``
+    probes lost before the peer first answered: each probe's (loss, loss_outcomes) and
+    the loss of the window alone."""
+    rng = random.Random(seed)
+    w = PeerWindow(interval_s=0.33)
+    told: list[tuple[float, float]] = []
+    alone: list[float] = []
+    recent: list[bool] = []
+    for seq in range(births):
+        w.add_sent(seq, seq * 0.33)
+        w.add_loss(seq, seq * 0.33 + 0.8)
+        recent.append(True)
+    for k, p in enumerate(rates):
+        seq = births + k
+        w.add_sent(seq, seq * 0.33)
+        lost = rng.random() < p
+        if lost:
+            w.add_loss(seq, seq * 0.33 + 0.8)
+        else:
+            w.add_reply(seq, 20.0, seq * 0.33 + 0.02)
+        recent = [*recent, lost][-w.window :]
+        s = w.stats()
+        told.append((s.loss, s.loss_outcomes))
+        alone.append(sum(recent) / len(recent))
+    return told, alone
+
+
+@pytest.mark.parametrize("p", [0.015, 0.03, 0.1])
+def test_a_steady_loss_rests_on_the_memory_and_varies_half_as_much_as_the_window(
+    p: float,
+) -> None:
+    told_sd, alone_sd, means = [], [], []
+    for seed in range(8):
+        told, alone = loss_run([p] * 2000, seed)
+        tail = [loss for loss, _ in told[500:]]
+        assert min(n for _, n in told[500:]) >= 64
+        assert sum(n > 200 for _, n in told[500:]) > 0.75 * len(tail)
+        told_sd.append(np.std(tail))
+        alone_sd.append(np.std(alone[500:]))
+        means.append(np.mean(tail))
+    assert np.mean(told_sd) < 0.55 * np.mean(alone_sd)
+    assert np.mean(means) == pytest.approx(p, rel=0.2)
+
+
+def test_a_loss_step_and_its_end_are_told_as_soon_as_the_window_tells_them() -> None:
+    for seed in range(5):
+        told, alone = loss_run([0.0] * 600 + [0.2] * 600 + [0.0] * 600, seed)
+
+        def first(values: list[float], start: int, hit: float, above: bool) -> int:
+            return next(
+                k - start
+                for k in range(start, len(values))
+                if (values[k] >= hit if above else values[k] < hit)
+            )
+
+        loss = [x for x, _ in told]
+        assert first(loss, 600, 0.05, True) <= first(alone, 600, 0.05, True)
+        assert first(loss, 1200, 0.02, False) <= first(alone, 1200, 0.02, False)
+        # Healed is healed: the memory of the lossy minutes does not pull it back up.
+        assert max(loss[1200 + 64 :]) == 0.0
+        assert told[-1][1] > 200
+
+
+def test_the_losses_before_the_peer_first_answered_never_enter_the_memory() -> None:
+    told, _ = loss_run([0.0] * 400, seed=1, births=3)
+    assert told[0][0] == pytest.approx(3 / 4)  # the window shows them (the controller
+    # forgives them while the link is young)
+    assert all(loss == 0.0 for loss, _ in told[64:])
+    assert told[-1][1] > 200
+
+
+def test_the_simulators_loss_memory_matches_the_probers() -> None:
+    from meshopt.agent.config import TelemetrySettings
+    from meshopt.sim.engine import _Agents, _popcount
+    from meshopt.sim.estimator import pooled_loss
+
+    rng = random.Random(5)
+    rates = [0.0] * 3 + [0.03] * 700 + [0.25] * 300 + [0.01] * 500
+    agents = _Agents.start(2, 64, np.zeros(2), TelemetrySettings())
+    w = PeerWindow(interval_s=0.33)
+    for seq, p in enumerate(rates):
+        lost = seq < 3 or rng.random() < p  # three birth losses, then the rates
+        w.add_sent(seq, seq * 0.33)
+        if lost:
+            w.add_loss(seq, seq * 0.33 + 0.8)
+        else:
+            w.add_reply(seq, 20.0, seq * 0.33 + 0.02)
+        got = np.array([[False, not lost], [False, False]])
+        agents.probe(np.array([[False, True], [False, False]]), got, np.full((2, 2), seq * 0.33))
+        if seq % 7 == 0 or seq == len(rates) - 1:
+            s = w.stats()
+            g = _popcount(agents.got_bits[:1, 1:]).astype(np.float64)
+            lo = _popcount(agents.lost_bits[:1, 1:]).astype(np.float64)
+            loss, n = pooled_loss(lo, g + lo, agents.old_lost[:1, 1:], agents.old_outcomes[:1, 1:])
+            assert (float(loss[0, 0]), float(n[0, 0])) == pytest.approx((s.loss, s.loss_outcomes))

@@ -57,6 +57,7 @@ def agent_peer(key: str, i: int = 0, **kw: Any) -> PeerReport:
         loss=0.0123,
         samples=64,
         probes_sent=1200 + i,
+        loss_outcomes=250 + i,
         handshake_age_s=33.2,
         rx_bytes=2**40 + i,
         tx_bytes=2**33,
@@ -121,6 +122,7 @@ def test_rows_come_back_within_the_quantisation() -> None:
             assert getattr(got, f) == pytest.approx(getattr(want, f), abs=0.005 + 1e-9), f
         assert got.loss == pytest.approx(want.loss, abs=0.00005 + 1e-12)
         assert (got.samples, got.probes_sent) == (want.samples, want.probes_sent)
+        assert got.loss_outcomes == want.loss_outcomes
         assert (got.rx_bytes, got.tx_bytes) == (want.rx_bytes, want.tx_bytes)
         assert got.handshake_age_s == pytest.approx(33.2)
         assert got.rx_bps == pytest.approx(1234.5) and got.tx_bps == 0.0

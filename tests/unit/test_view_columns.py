@@ -31,6 +31,7 @@ def _peers() -> list[PeerReport]:
                 loss=0.0123 * j,
                 samples=10 * j,
                 probes_sent=7 * j,
+                loss_outcomes=0 if j == 1 else 40 * j,
                 bandwidth_mbit=2e7 if j == 6 else 100.0 * j if j % 2 else None,
                 pmtu=100 if j == 7 else 1420 if j % 2 else None,
             )
@@ -40,7 +41,18 @@ def _peers() -> list[PeerReport]:
 
 def _same(a: _PeerArrays, b: _PeerArrays) -> None:
     assert a.keys == b.keys
-    for f in ("alive", "rtt", "jitter", "loss", "noise", "samples", "sent", "bandwidth", "pmtu"):
+    for f in (
+        "alive",
+        "rtt",
+        "jitter",
+        "loss",
+        "noise",
+        "samples",
+        "sent",
+        "loss_n",
+        "bandwidth",
+        "pmtu",
+    ):
         assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
 
 
