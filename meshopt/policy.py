@@ -114,6 +114,7 @@ from meshopt.routing.tables import (
     FloatArray,
     IntArray,
     RouteTables,
+    less_one_relay,
     reduce_paths,
     relay_weights,
 )
@@ -212,11 +213,6 @@ def reaches(next_hop: IntArray) -> BoolArray:
     return arrive
 
 
-def _without_relay(cost: FloatArray, relay_hop_ms: float) -> FloatArray:
-    off = ~np.eye(cost.shape[0], dtype=bool) & np.isfinite(cost)
-    return np.where(off, cost - relay_hop_ms, cost)
-
-
 def path_cost(next_hop: IntArray, link_cost: FloatArray, relay_hop_ms: float = 2.0) -> FloatArray:
     """Cost of every installed path under ``link_cost`` (e.g. the ground truth).
 
@@ -226,7 +222,7 @@ def path_cost(next_hop: IntArray, link_cost: FloatArray, relay_hop_ms: float = 2
     n = next_hop.shape[0]
     _check_table("next_hop", next_hop, n)
     _check_square("link_cost", link_cost, n)
-    return _without_relay(
+    return less_one_relay(
         reduce_paths(next_hop, relay_weights(link_cost, relay_hop_ms)), relay_hop_ms
     )
 
@@ -250,7 +246,7 @@ def rss_path_cost(
     if symmetric:
         jit = (jit + jit.T) / 2.0
     jit = np.where(np.isfinite(cost), np.minimum(jit, cost), 0.0)
-    base = _without_relay(
+    base = less_one_relay(
         reduce_paths(next_hop, relay_weights(cost - jit, relay_hop_ms)), relay_hop_ms
     )
     out: FloatArray = base + np.sqrt(reduce_paths(next_hop, jit**2))
@@ -364,8 +360,8 @@ def decide(
         var = (var + var.T) / 4.0
     if link_jitter is None:
         w = relay_weights(cost, relay_hop_ms)
-        cur = _without_relay(reduce_paths(c, w), relay_hop_ms)
-        new = _without_relay(reduce_paths(b, w), relay_hop_ms)
+        cur = less_one_relay(reduce_paths(c, w), relay_hop_ms)
+        new = less_one_relay(reduce_paths(b, w), relay_hop_ms)
     else:
         _check_square("link_jitter", link_jitter, n)
         _check_costs("link_jitter", link_jitter)

@@ -62,11 +62,11 @@ def sticky_backups(
     fresh = best.backup if best.backup is not None else np.full((n, n), NO_ROUTE)
     fresh = np.where(fresh == hop, best.next_hop, fresh)
     fresh = np.where((fresh == hop) | (fresh == rows), NO_ROUTE, fresh)
-    link = np.where(np.isfinite(cost), cost + relay_hop_ms, np.inf)
+    link = relay_weights(cost, relay_hop_ms)
     moving = _detoured(hop, best.next_hop)
     if moving.any() and best.dist is not None:
         # Each node's installed route to d: inf where broken.
-        reach = reduce_paths(hop, relay_weights(cost, relay_hop_ms))
+        reach = reduce_paths(hop, link)
         with np.errstate(invalid="ignore"):
             # Off the best route by less than the smallest gain the policy moves for: a
             # tie, which it never moves. Others it keeps by hysteresis until a gain is

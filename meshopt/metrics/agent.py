@@ -80,7 +80,10 @@ class AgentCollector(Collector):
         rtt_min = gauge("meshopt_peer_rtt_min_seconds", "Lowest RTT in the probe window.")
         rtt_med = gauge("meshopt_peer_rtt_median_seconds", "Median RTT in the probe window.")
         jitter = gauge("meshopt_peer_jitter_seconds", "Interarrival jitter of RTTs (RFC 3550).")
-        loss = gauge("meshopt_peer_loss_ratio", "Lost probes over the window, 0..1.")
+        loss = gauge(
+            "meshopt_peer_loss_ratio",
+            "Lost probes over the window, pooled with the loss memory, 0..1.",
+        )
         cap = gauge(
             "meshopt_peer_capacity_bytes_per_second", "Last packet-train capacity estimate."
         )

@@ -97,10 +97,22 @@ def walk_costs(next_hop: IntArray, link: FloatArray, max_hops: int | None = None
 def relay_weights(link_cost: FloatArray, relay_hop_ms: float) -> FloatArray:
     """Each link's cost as a next-hop walk pays it, one relay hop included, and zero on
     the diagonal where the walk ends. A path of k hops then sums k relay hops where it
-    pays k - 1: the caller takes the last one off where the path is finite."""
+    pays k - 1: the caller takes the last one off (:func:`less_one_relay`)."""
     w = np.asarray(link_cost, dtype=np.float64) + relay_hop_ms
     np.fill_diagonal(w, 0.0)
     return w
+
+
+def less_one_relay(
+    path_cost: FloatArray, relay_hop_ms: float, cols: IntArray | None = None
+) -> FloatArray:
+    """Path costs summed over :func:`relay_weights` with the relay hop too many taken off
+    where a path is finite (a k-hop path pays k - 1); ``cols``: ``path_cost`` holds only
+    those destinations' columns."""
+    dest = np.arange(path_cost.shape[1]) if cols is None else cols
+    off = (np.arange(path_cost.shape[0])[:, None] != dest[None, :]) & np.isfinite(path_cost)
+    out: FloatArray = np.where(off, path_cost - relay_hop_ms, path_cost)
+    return out
 
 
 def reduce_paths(

@@ -108,7 +108,7 @@ from meshopt.probe.budget import BudgetConfig
 from meshopt.probe.prober import RETRY_MIN_S
 from meshopt.routing import NO_ROUTE, RouteTables, compute_routes
 from meshopt.routing.backup import backup_inputs, backup_next_hops
-from meshopt.routing.tables import IntArray, reduce_paths, relay_weights
+from meshopt.routing.tables import IntArray, less_one_relay, reduce_paths, relay_weights
 from meshopt.sim.budget import LinkBudget
 from meshopt.sim.estimator import (
     NEVER_ANSWERED,
@@ -1343,9 +1343,7 @@ def _matrices(
 
 def _true_cost(truth: _Truth, nh: IntArray, relay: float) -> FloatArray:
     """Metric cost of the given routes under the ground truth (inf where they are broken)."""
-    c = reduce_paths(nh, relay_weights(truth.cost, relay))
-    c[~np.eye(nh.shape[0], dtype=bool) & np.isfinite(c)] -= relay
-    return c
+    return less_one_relay(reduce_paths(nh, relay_weights(truth.cost, relay)), relay)
 
 
 def _verdict(
@@ -1407,10 +1405,7 @@ def _sum_paths_cols(next_hop: IntArray, edge: FloatArray, cols: IntArray) -> Flo
 
 def _true_cost_cols(truth: _Truth, nh: IntArray, relay: float, cols: IntArray) -> FloatArray:
     """``_true_cost(truth, nh, relay)[:, cols]``, walking only those destinations."""
-    c = _sum_paths_cols(nh, relay_weights(truth.cost, relay), cols)
-    off = np.arange(nh.shape[0])[:, None] != cols[None, :]
-    c[off & np.isfinite(c)] -= relay
-    return c
+    return less_one_relay(_sum_paths_cols(nh, relay_weights(truth.cost, relay), cols), relay, cols)
 
 
 def _gains(truth: _Truth, inst: Installed) -> GainSummary:
