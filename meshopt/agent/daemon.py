@@ -685,8 +685,10 @@ class Agent:
 
     async def apply(self) -> None:
         """Bring routes and AllowedIPs to the current plan (idempotent)."""
+        t0 = self.clock()
         self._plan_probes()  # a new route set's next hops are probed fast from now
         plan = self._plan()
+        t_plan = self.clock()
         for rej in plan.rejected:
             self.counters.count(f"route_{rej.reason}", f"{rej.route.dst} via {rej.route.via[:8]}")
         started = self.clock()
@@ -697,11 +699,13 @@ class Agent:
         # peer would refuse the destination would black-hole it for a moment.
         for ifname, update in allowed_ips_updates(self.tracker.peers, plan.allowed_ips).items():
             await self.wg.apply(ifname, update)
+        t_wg = t_routes = self.clock()
         if self.route_set is not None:
             # `meshopt status` must see the kernel and the status file of one apply.
             locked = self.cfg.metrics.status_interval_s > 0 and await self._apply_lock.acquire()
             try:
                 result = await self.installer.reconcile(plan.routes, self.rules)
+                t_routes = self.clock()
                 for err in result.errors:
                     self.counters.count("route_refused", str(err))
                 self.apply_errors = list(result.errors)
@@ -716,6 +720,16 @@ class Agent:
         if self._arrived is not None and self.route_set is not None and self.applied:
             version, at = self._arrived
             if self.route_set.version == version:
+                log.debug(
+                    "route set v%d: waited %.0f ms to start, planned in %.0f ms, "
+                    "AllowedIPs %.0f ms, routes %.0f ms, status %.0f ms",
+                    version,
+                    (t0 - at) * 1000,
+                    (t_plan - t0) * 1000,
+                    (t_wg - t_plan) * 1000,
+                    (t_routes - t_wg) * 1000,
+                    (self.clock() - t_routes) * 1000,
+                )
                 # From arrival to the kernel: where a slow re-route's time went (a busy
                 # machine's agent can take longer than the controller's decision).
                 log.info(
