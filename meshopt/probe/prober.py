@@ -302,6 +302,7 @@ class _Peer:
     min_unanswered: int
     explicit: bool = False  # the rate came from set_rates (else: the config's)
     last_sent: float | None = None
+    last_early: float | None = None  # the last probe _probe_now brought forward
     alive: bool | None = None
     last_reply: float | None = None
     dead_since: float | None = None
@@ -498,13 +499,20 @@ class Prober:
             self._arm(now)
         return moved
 
-    def _probe_now(self, peer: _Peer, now: float) -> bool:
+    def _probe_now(self, peer: _Peer, now: float, *, sweep: bool = False) -> bool:
         """Bring ``peer``'s next probe forward to ``now`` (the caller re-arms the timer,
-        or is the timer: replies are read just before its sends)."""
-        if peer.last_sent is not None and now - peer.last_sent < REVIVE_GAP_S:
+        or is the timer: replies are read just before its sends). ``sweep``: another
+        dead peer answered, so a probe this one was sent just before is as likely lost
+        in the outage as not: only an early probe that recent holds it back (a fast
+        link whose probe left 60 ms before its node's outage ended was found 0.26 s
+        after the node's other links, and its routes moved twice)."""
+        if peer.last_early is not None and now - peer.last_early < REVIVE_GAP_S:
+            return False
+        if not sweep and peer.last_sent is not None and now - peer.last_sent < REVIVE_GAP_S:
             return False
         if peer.next_send <= now:
             return False  # due anyway
+        peer.last_early = now
         peer.next_send = now
         self._push_send(peer)
         return True
@@ -981,7 +989,7 @@ class Prober:
         self._swept_at = now
         for peer in self._peers.values():
             if peer.alive is False:
-                self._probe_now(peer, now)
+                self._probe_now(peer, now, sweep=True)
 
     def _bad(self, reason: str, addr: object, detail: str) -> None:
         key = f"bad_packet.{reason}"
