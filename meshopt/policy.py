@@ -416,7 +416,7 @@ def decide(
             relay_hop_ms, jitter, symmetric, _name_rank(best.names, n),
         )  # fmt: skip
     table = np.where(switched, target, c)
-    forced = _repair(table, b, symmetric)
+    forced = _repair(table, b, symmetric, moved=switched)
     table = np.where(forced, b, table)
     repaired: BoolArray = forced & ~switched
     changed: BoolArray = table != c
@@ -553,10 +553,17 @@ def keep_where(previous: IntArray, best: IntArray, keep: BoolArray) -> IntArray:
     return out
 
 
-def _repair(table: IntArray, best: IntArray, symmetric: bool) -> BoolArray:
+def _repair(
+    table: IntArray, best: IntArray, symmetric: bool, *, moved: BoolArray | None = None
+) -> BoolArray:
     """Entries that must take the best next hop so that the table forwards cleanly.
 
-    Directed mode: forcing every entry whose walk fails, at once, is enough in
+    Entries that ``moved`` (they change anyway) are forced first, round by round,
+    while any of them fails: a kept entry whose walk only failed through a moved
+    one's new next hop then need not change at all (forcing every failing entry at
+    once changed such kept entries for nothing; hypothesis found it).
+
+    Directed mode: then forcing every entry whose walk fails, at once, is enough in
     one round when the best table is clean (a forced node follows best next
     hops until it meets an entry that already arrives, or the destination).
 
@@ -577,6 +584,8 @@ def _repair(table: IntArray, best: IntArray, symmetric: bool) -> BoolArray:
             bad = _pairwise(bad) & (current != best)
         if not bad.any():
             break
+        if moved is not None and (bad & moved).any():
+            bad = bad & moved
         forced |= bad
         current = np.where(bad, best, current)
     while symmetric:  # AllowedIPs; the check also lists any loop or gap a forced entry makes

@@ -49,7 +49,7 @@ from meshopt.bus.messages import (
     PeerTable,
     Telemetry,
 )
-from meshopt.metric import FloatArray, LinkSample, Metric
+from meshopt.metric import FloatArray, Metric
 
 log = logging.getLogger("meshopt.controller")
 
@@ -849,40 +849,22 @@ def jitter_noise_ms(term: FloatArray, samples: FloatArray) -> FloatArray:
 
 
 def link_cost(rep: PeerReport, metric: Metric, age_s: float) -> tuple[float, float]:
-    """(cost, its standard deviation) of one reported link; inf when it is dead."""
-    if rep.alive is False:
-        return math.inf, 0.0
-    if rep.rtt_ms is None:
-        return metric.unknown_cost_ms, 0.0
-    loss = handshake_loss_discounted(
-        np.array([min(rep.loss or 0.0, 1.0)]),
-        np.array([float(rep.samples)]),
-        np.array([float(rep.probes_sent)]),
+    """(cost, its standard deviation) of one reported link; inf when it is dead:
+    :func:`link_matrices` for one link."""
+
+    def one(x: float | None) -> FloatArray:
+        return np.array([math.nan if x is None else float(x)])
+
+    cost, sd, _ = link_matrices(
+        metric,
+        rtt=one(rep.rtt_ms),
+        jitter=one(rep.jitter_ms),
+        loss=one(rep.loss),
+        noise=one(rep.noise_ms),
+        samples=one(rep.samples),
+        sent=one(rep.probes_sent),
+        loss_n=one(rep.loss_outcomes),
+        dead=np.array([rep.alive is False]),
+        age_s=one(age_s),
     )
-    sample = LinkSample(
-        rtt_ms=rep.rtt_ms,
-        jitter_ms=rep.jitter_ms or 0.0,
-        loss=float(loss[0]),
-        noise_ms=rep.noise_ms or 0.0,
-        age_s=age_s,
-    )
-    # The loss estimate is noisy too (a window of n probes), and through the loss
-    # penalty its noise can outweigh the RTT's: the policy must see both.
-    p = sample.loss
-    n = float(
-        loss_outcomes(
-            np.array([float(rep.loss_outcomes)]),
-            np.array([float(rep.samples)]),
-            np.array([max(1.0 - p, 1e-3)]),
-        )[0]
-    )
-    loss_sd = math.sqrt(p * (1.0 - p) / n)
-    slope = metric.loss_penalty_ms / max(1.0 - p, 1e-3) ** 2
-    # The jitter term is an estimate too: its standard error follows from the samples
-    # sigma rests on (jitter_noise_ms), as in MeshView.matrices.
-    jitter_sd = float(
-        jitter_noise_ms(
-            np.array([metric.jitter_weight * sample.jitter_ms]), np.array([float(rep.samples)])
-        )[0]
-    )
-    return metric.link_cost(sample), math.hypot(sample.noise_ms, slope * loss_sd, jitter_sd)
+    return float(cost[0]), float(sd[0])

@@ -162,16 +162,20 @@ class PeerWindow:
             gone = next(iter(outcomes))
             was_lost = outcomes.pop(gone) is None
             self._window_lost -= was_lost
-            if not remembers(self._counted - self.window, self._forget_until):
-                pass
-            elif loss_changed(self._window_lost, self.window, self._old_lost, self._old_outcomes):
-                self._old_lost = self._old_outcomes = 0.0
-                self._forget_until = self._counted
-            else:
-                self._old_lost, self._old_outcomes = remember_loss(
-                    self._old_lost, self._old_outcomes, was_lost
-                )
+            if remembers(self._counted - self.window, self._forget_until):
+                self._age_out(was_lost)
         return True
+
+    def _age_out(self, was_lost: bool) -> None:
+        """An outcome leaves the window: into the loss memory, unless the window's
+        loss has moved away from the memory's (then the memory is forgotten)."""
+        if loss_changed(self._window_lost, self.window, self._old_lost, self._old_outcomes):
+            self._old_lost = self._old_outcomes = 0.0
+            self._forget_until = self._counted
+        else:
+            self._old_lost, self._old_outcomes = remember_loss(
+                self._old_lost, self._old_outcomes, was_lost
+            )
 
     def stats(self) -> ProbeStats:
         cached = self._stats

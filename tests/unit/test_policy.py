@@ -598,3 +598,21 @@ def test_jitter_on_every_link_for_ten_minutes(symmetric: bool) -> None:
         changes += d.changed
         prev = d.installed
     assert changes.max() <= 1
+
+
+def test_a_repair_forces_the_moving_entry_before_a_kept_one() -> None:
+    """a (1) keeps its relay b (2) towards c (0) while b moves to a path through a
+    (tied with its best, direct): a -> b -> a loops. Forcing b, which moves anyway,
+    to its best (direct) is enough; a's kept entry must not change too (both were
+    forced before, one change for nothing: hypothesis found it)."""
+    best = np.tile(np.arange(3), (3, 1))  # all direct
+    table = best.copy()
+    table[1, 0] = 2  # a keeps its relay b
+    table[2, 0] = 1  # b moves through a
+    moved = np.zeros((3, 3), dtype=bool)
+    moved[2, 0] = True
+    forced = policy._repair(table, best, False, moved=moved)
+    assert forced.tolist() == moved.tolist()
+    assert policy.reaches(np.where(forced, best, table)).all()
+    # Without knowing what moved, the loop's every entry is forced.
+    assert policy._repair(table, best, False)[1, 0]
