@@ -93,6 +93,11 @@ class RunResult:
     last_missing: list[str] = field(default_factory=list)
 
 
+def _s(seconds: float | None, unit: str = "s", none: str = "never") -> str:
+    """A figure for the progress lines, rounded; ``none`` where there is none."""
+    return none if seconds is None else f"{seconds:.2f} {unit}"
+
+
 def snapshot(mesh: LiveMesh) -> dict[str, dict[str, str]]:
     """Every node's next hops, read in parallel: one ``wg show`` per node takes seconds
     on a loaded machine, and read one after another they blur the time of the reading."""
@@ -246,11 +251,11 @@ def one_run(
             if res.large_margins_s is not None:
                 res.large_margins_after_up_s = res.large_margins_s - res.agents_up_s
         progress(
-            f"run {index}: within the large margins after {res.large_margins_s} s, "
-            f"converged after {res.converged_s} s (from agent start; "
-            f"agents up after {res.agents_up_s} s)"
+            f"run {index}: within the large margins after {_s(res.large_margins_s)}, "
+            f"converged after {_s(res.converged_s)} (from agent start; "
+            f"agents up after {_s(res.agents_up_s)})"
         )
-        progress(f"run {index}: small gains taken after {res.settled_s} s (from agent start)")
+        progress(f"run {index}: small gains taken after {_s(res.settled_s)} (from agent start)")
         time.sleep(2.0)
         quality = route_quality(mesh, count=10, abs_margin_ms=policy.confirm_abs_ms)
         errs = [q.error for q in quality if q.error is not None]
@@ -291,7 +296,7 @@ def one_run(
             f"run {index}: {res.within_5pct}/{res.pairs} pairs within 5 % of the optimum, "
             f"{res.within_goal} within max(5 %, 1 ms), {res.on_optimum_path} on its path, "
             f"{res.path_within_goal} on a path within max(5 %, 1 ms) by its configured RTT "
-            f"(pings above it: median {res.overhead_ms['median']} ms)"
+            f"(pings above it: median {_s(res.overhead_ms['median'], 'ms', 'none')})"
         )
 
         deg = pick_degradation(lab.topo, best, symmetric=layout == "single")
@@ -302,14 +307,14 @@ def one_run(
             res.degradation_s = reroute_time(
                 mesh, a, b, lambda: lab.set(f"{a}-{b} delay={slow:g}ms"), lambda r: r < threshold
             )
-            progress(f"run {index}: {a}-{b} x5 rerouted after {res.degradation_s} s")
+            progress(f"run {index}: {a}-{b} x5 rerouted after {_s(res.degradation_s)}")
 
         relay, affected = busiest_relay(mesh)
         sample = [p for p in affected if relay not in p][:1]
         if sample:
             a, b = sample[0]
             res.failure_s = outage_time(mesh, a, b, lambda: lab.set(f"node={relay} down"))
-            progress(f"run {index}: relay {relay} down, {a}->{b} back after {res.failure_s} s")
+            progress(f"run {index}: relay {relay} down, {a}->{b} back after {_s(res.failure_s)}")
             lab.set(f"node={relay} up")
             time.sleep(2.0)
 
@@ -333,7 +338,7 @@ def one_run(
             res.routes_moved_during_failover = sum(
                 1 for n in before for d in before[n] if after[n].get(d) != before[n][d]
             )
-            progress(f"run {index}: standby took over after {res.controller_failover_s} s")
+            progress(f"run {index}: standby took over after {_s(res.controller_failover_s)}")
         res.lab_fidelity = lag_window(timing, lab.emulator.stats())
         return res
     finally:
