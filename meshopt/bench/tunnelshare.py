@@ -26,6 +26,12 @@ class TunnelShare:
     ms: float  # added to every tunnel's RTT
     sigma_ms: float  # σ added to every tunnel's RTT (root-sum-square with the topology's)
     links: int  # directed links it rests on
+    # Per tunnel (i < j, the topology's indices): its excess, the mean of both directions'.
+    per_tunnel: dict[tuple[int, int], float]
+    # How far tunnels differ from each other: the robust σ (1.4826 MAD) of ``per_tunnel``.
+    # A relayed path crosses two tunnels and its direct rival one, so which of two paths
+    # within a few tenths of a millisecond wins rests on which tunnels they cross.
+    spread_ms: float
 
 
 def tunnel_share(
@@ -49,13 +55,21 @@ def tunnel_share(
         return None
     nominal = topo.rtt_ms()
     jit = topo.jitter_ms
-    excess: list[float] = []
+    excess: dict[tuple[int, int], float] = {}
     spread: list[float] = []
     for (i, j), (rtts, sigmas) in per.items():
-        excess.append(statistics.median(rtts) - float(nominal[i, j]))
+        excess[(i, j)] = statistics.median(rtts) - float(nominal[i, j])
         spread.append(statistics.median(sigmas) ** 2 - float(jit[i, j] ** 2 + jit[j, i] ** 2))
+    both: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for (i, j), x in excess.items():
+        both[(min(i, j), max(i, j))].append(x)
+    per_tunnel = {k: statistics.fmean(v) for k, v in both.items()}
+    mid = statistics.median(per_tunnel.values())
+    mad = statistics.median(abs(x - mid) for x in per_tunnel.values())
     return TunnelShare(
-        ms=max(statistics.median(excess), 0.0),
+        ms=max(statistics.median(excess.values()), 0.0),
         sigma_ms=math.sqrt(max(statistics.median(spread), 0.0)),
         links=len(per),
+        per_tunnel=per_tunnel,
+        spread_ms=1.4826 * mad,
     )

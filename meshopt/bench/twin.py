@@ -166,15 +166,16 @@ def sim_side(
     seeds: int = 3,
     boot: tuple[float, float] | None = None,
     install_each_s: float | None = None,
-    tunnel: tuple[float, float] | None = None,
+    tunnel: tuple[float, float, float] | None = None,
 ) -> dict[str, Any]:
     """The simulated figures per event, medians over ``seeds`` runs (and each run's).
 
     ``boot``: (earliest, latest) time the agents came up, as measured in the lab; None:
     the simulator's default (2-3 s). ``install_each_s``: what each agent added to a
     burst of route sets in the lab (:func:`install_each`); None: 0, every agent on its
-    own machine. ``tunnel``: what the lab's tunnels added to the agents' RTT and its σ
-    (:func:`~meshopt.bench.tunnelshare.tunnel_share`); None: nothing."""
+    own machine. ``tunnel``: what the lab's tunnels added to the agents' RTT, its σ and
+    how far tunnels differed (:func:`~meshopt.bench.tunnelshare.tunnel_share`); each seed
+    draws its own tunnels from that. None: nothing."""
     runs = []
     events = sc.sim_events(tl)
     extra: dict[str, float] = {}
@@ -183,7 +184,7 @@ def sim_side(
     if install_each_s is not None:
         extra["install_each_s"] = install_each_s
     if tunnel is not None:
-        extra["tunnel_ms"], extra["tunnel_sigma_ms"] = tunnel
+        extra["tunnel_ms"], extra["tunnel_sigma_ms"], extra["tunnel_spread_ms"] = tunnel
     large = PolicyConfig().rel_margin
     for seed in range(seeds):
         cfg = SimConfig(
@@ -506,7 +507,7 @@ def lab_side(
 TUNNEL_WINDOW_S = 20.0
 
 
-def _tunnel(heard: list[Heard], sc: Scenario) -> dict[str, float] | None:
+def _tunnel(heard: list[Heard], sc: Scenario) -> dict[str, Any] | None:
     """What the lab's tunnels added to the agents' readings (:func:`tunnel_share`)."""
     readings = [
         (h.node, h.peer, h.report.rtt_ms, h.report.jitter_ms)
@@ -516,7 +517,16 @@ def _tunnel(heard: list[Heard], sc: Scenario) -> dict[str, float] | None:
     share = tunnel_share(readings, sc.topo)
     if share is None:
         return None
-    return {"ms": share.ms, "sigma_ms": share.sigma_ms, "links": share.links}
+    names = sc.topo.names
+    return {
+        "ms": share.ms,
+        "sigma_ms": share.sigma_ms,
+        "spread_ms": share.spread_ms,
+        "links": share.links,
+        "per_tunnel": {
+            f"{names[i]}-{names[j]}": x for (i, j), x in sorted(share.per_tunnel.items())
+        },
+    }
 
 
 def _apply_text(topo: Topology, ev: Event) -> None:
@@ -748,12 +758,16 @@ def _boot(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
     return statistics.median(u["first"] for u in ups), statistics.median(u["last"] for u in ups)
 
 
-def _tunnel_of(labs: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """(ms, σ ms) the lab's tunnels added, medians over runs."""
+def _tunnel_of(labs: list[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """(ms, σ ms, spread between tunnels ms) the lab's tunnels added, medians over runs."""
     got = [x["tunnel"] for x in labs if x.get("tunnel")]
     if not got:
         return None
-    return statistics.median(t["ms"] for t in got), statistics.median(t["sigma_ms"] for t in got)
+    return (
+        statistics.median(t["ms"] for t in got),
+        statistics.median(t["sigma_ms"] for t in got),
+        statistics.median(t.get("spread_ms", 0.0) for t in got),
+    )
 
 
 def _calm(runs: list[Any], disturbed: list[bool]) -> tuple[list[Any], int, bool]:

@@ -61,6 +61,12 @@ from meshopt.units import parse_duration_s, parse_time_ms
     show_default=True,
     help="The spread (σ) each tunnel adds to a probe's RTT.",
 )
+@click.option(
+    "--tunnel-spread",
+    default="0ms",
+    show_default=True,
+    help="How far tunnels differ (σ): each draws its --tunnel share from it.",
+)
 @routing_options
 @json_option
 def sim_cmd(
@@ -75,6 +81,7 @@ def sim_cmd(
     no_budget: bool,
     tunnel: str,
     tunnel_jitter: str,
+    tunnel_spread: str,
     symmetric: bool,
     relay_cost: str | None,
     as_json: bool,
@@ -102,6 +109,7 @@ def sim_cmd(
         policy=policy,
         tunnel_ms=parse_time_ms(tunnel, "--tunnel"),
         tunnel_sigma_ms=parse_time_ms(tunnel_jitter, "--tunnel-jitter"),
+        tunnel_spread_ms=parse_time_ms(tunnel_spread, "--tunnel-spread"),
     )
     if no_budget:
         cfg = replace(cfg, budget=None)

@@ -70,7 +70,8 @@ checks its telemetry every ``WARM_CHECK_S`` (:func:`meshopt.agent.telemetry.chec
 
 A probe crosses the underlay's delay plus ``tunnel_ms`` (and ``tunnel_sigma_ms`` of
 spread) per tunnel: WireGuard's own work, ~0.3-0.5 ms per wireguard-go tunnel in the lab
-at the agents' rate (:mod:`meshopt.bench.tunnelshare`). Routes are scored on the
+at the agents' rate (:mod:`meshopt.bench.tunnelshare`), each tunnel's own draw with
+``tunnel_spread_ms``. Routes are scored on the
 underlay's figures.
 
 Not modelled: a lost first handshake (retried after 5 s), CPU time
@@ -165,6 +166,10 @@ class SimConfig:
     # path pays it on each of its tunnels. 0: the topology's figures are what probes see.
     tunnel_ms: float = 0.0
     tunnel_sigma_ms: float = 0.0
+    # How far tunnels differ from each other (σ, ms): each run draws each tunnel's share
+    # from N(tunnel_ms, tunnel_spread_ms), at least 0, on its own random stream. The
+    # lab's wireguard-go tunnels differ by ~0.1 ms, which decides paths that close.
+    tunnel_spread_ms: float = 0.0
     keep_routes: bool = False  # report the next hops in use at the end of each interval
     # Converged: None, the policy would not move the pair even with settled estimates
     # (its margins and noise test); a share, the pair's cost is within it of the
@@ -180,9 +185,13 @@ class SimConfig:
     # The agents' probe budget (meshopt.sim.budget); None: every link probed fast.
     budget: BudgetConfig | None = field(default_factory=_budget_defaults)
 
-    @property
-    def tunnel(self) -> tuple[float, float]:
-        return (self.tunnel_ms, self.tunnel_sigma_ms)
+    def tunnel(self, n: int) -> tuple[FloatArray | float, float]:
+        """(what each tunnel adds, its probes' σ): one figure, or per tunnel drawn."""
+        if self.tunnel_spread_ms <= 0.0:
+            return (self.tunnel_ms, self.tunnel_sigma_ms)
+        draw = np.random.default_rng([self.seed, 3]).normal(0.0, self.tunnel_spread_ms, (n, n))
+        each = np.maximum(self.tunnel_ms + np.triu(draw, 1) + np.triu(draw, 1).T, 0.0)
+        return (each, self.tunnel_sigma_ms)
 
     def recompute_gap(self, n: int) -> float:
         if self.recompute_s is not None:
@@ -217,7 +226,7 @@ def _truth(
     metric: Metric,
     symmetric: bool,
     est: LinkEstimator,
-    tunnel: tuple[float, float] = (0.0, 0.0),
+    tunnel: tuple[FloatArray | float, float] = (0.0, 0.0),
 ) -> _Truth:
     usable = topo.tunnels & node_up[:, None] & node_up[None, :]
     cost = topology_costs(topo, metric)
@@ -894,7 +903,8 @@ def simulate(
     )
     recomputes = backup_computations = 0
     t0 = clock()
-    truth = _truth(live, node_up, metric, cfg.symmetric, est, cfg.tunnel)
+    tunnels_add = cfg.tunnel(n)
+    truth = _truth(live, node_up, metric, cfg.symmetric, est, tunnels_add)
     phase["truth"] += clock() - t0
     pending = sorted(events, key=lambda e: e.at_s)
     tick = cfg.tick_s
@@ -955,7 +965,7 @@ def simulate(
                 tracker.result.routes = _named(topo.names, eff)
             _apply(ev, live, node_up)
             t0 = clock()
-            truth = _truth(live, node_up, metric, cfg.symmetric, est, cfg.tunnel)
+            truth = _truth(live, node_up, metric, cfg.symmetric, est, tunnels_add)
             phase["truth"] += clock() - t0
             tracker = _Tracker(
                 EventResult(event=ev.text, at_s=ev.at_s),

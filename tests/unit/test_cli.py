@@ -238,6 +238,7 @@ def test_topology_check_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["sim", TRIANGLE, "--duration", "0s"], "must be > 0"),
         (["sim", TRIANGLE, "--tunnel", "-1ms"], "bad --tunnel"),
         (["sim", TRIANGLE, "--tunnel-jitter", "lots"], "bad --tunnel-jitter"),
+        (["sim", TRIANGLE, "--tunnel-spread", "-2ms"], "bad --tunnel-spread"),
         (["path", TRIANGLE, "a", "b", "--relay-cost", "cheap"], "bad --relay-cost"),
         (["gains", "gen:geo:n=1"], "n must be 2..5000"),
         (["gains", "gen:nosuch"], "gen:nosuch"),

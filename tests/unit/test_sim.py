@@ -181,6 +181,33 @@ def test_what_the_tunnels_add_is_paid_once_per_tunnel(tunnel_ms: float, relayed:
     assert (routes["a"]["c"], routes["c"]["a"]) == want
 
 
+def test_each_tunnel_draws_its_own_share_when_tunnels_differ() -> None:
+    one = SimConfig(tunnel_ms=0.4, tunnel_sigma_ms=0.1)
+    assert one.tunnel(5) == (0.4, 0.1)
+    each, sigma = SimConfig(tunnel_ms=0.4, tunnel_sigma_ms=0.1, tunnel_spread_ms=0.3).tunnel(40)
+    assert isinstance(each, np.ndarray) and sigma == 0.1
+    assert np.array_equal(each, each.T) and (each >= 0.0).all()  # a tunnel, both directions
+    off = each[np.triu_indices(40, 1)]
+    assert 0.25 < float(np.std(off)) < 0.35 and 0.3 < float(np.mean(off)) < 0.5
+    other, _ = SimConfig(tunnel_ms=0.4, tunnel_spread_ms=0.3, seed=1).tunnel(40)
+    assert not np.array_equal(each, other)  # each run its own tunnels
+
+
+def test_tunnels_that_differ_decide_a_near_tie_either_way() -> None:
+    """The case above with 1.5 ms tunnels (direct, a gain of 0.5 ms) when tunnels differ
+    by 1 ms: runs whose a-c tunnel is slow and a-b, b-c fast relay, the others do not,
+    as the lab's runs split on such a pair."""
+    topo = mesh("abc", {"a-c": 20.0, "a-b": 9.5, "b-c": 9.5}, default_ms=20.0)
+    ends = set()
+    for seed in range(10):
+        r = run(topo, "at=59s link=a-b delay=9.5ms", duration_s=60.0, keep_routes=True,
+                symmetric=True, tunnel_ms=1.5, tunnel_spread_ms=1.0, seed=seed, **AT_ONCE)  # fmt: skip
+        routes = only_event(r).routes
+        assert routes is not None
+        ends.add(routes["a"]["c"])
+    assert ends == {"b", "c"}
+
+
 def test_late_deaths_come_when_an_answer_on_its_way_misses_the_dead_time() -> None:
     """The prober waits 0.8 s after the last reply, and for two unanswered probes the
     first unanswered for 0.47 s (0.8 less an interval). A link stepping from 130 to

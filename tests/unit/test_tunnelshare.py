@@ -27,6 +27,9 @@ def test_the_excess_over_the_topology_is_the_median_over_links() -> None:
     share = tunnel_share(readings, topo())
     assert share is not None and share.links == 5
     assert share.ms == pytest.approx(0.5)
+    # Per tunnel both directions' mean; how far tunnels differ, robust to the stepped one.
+    assert share.per_tunnel == pytest.approx({(0, 1): 0.45, (0, 2): 0.55, (1, 2): 9.0})
+    assert share.spread_ms == pytest.approx(1.4826 * 0.1)
 
 
 def test_spread_is_taken_in_quadrature_and_never_below_zero() -> None:
