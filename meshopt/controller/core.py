@@ -75,7 +75,6 @@ from meshopt.controller.view import (
     MeshView,
     TelemetryRefused,
     _PeerArrays,
-    link_cost,
     link_matrices,
     usable_peer,
     warmed_up,
@@ -813,8 +812,11 @@ class ControllerCore:
         keys: list[str] = []
         costs: list[float] = []
         sds: list[float] = []
-        if t.table is not None and len(t.table):
-            arr = _PeerArrays.of_table(t.table)
+        told = [] if t.table is None or not len(t.table) else [_PeerArrays.of_table(t.table)]
+        if t.peers:
+            reps = [usable_peer(p)[0] for p in t.peers]
+            told.append(_PeerArrays.of_reports([p.public_key for p in t.peers], reps))
+        for arr in told:
             cs, ss, _ = link_matrices(
                 metric, arr.rtt, arr.jitter, arr.loss, arr.noise, arr.samples, arr.sent,
                 arr.loss_n, arr.alive == 0, np.zeros(len(arr.keys)),
@@ -822,11 +824,6 @@ class ControllerCore:
             keys += arr.keys
             costs += cs.tolist()
             sds += ss.tolist()
-        for p in t.peers:
-            c1, sd1 = link_cost(usable_peer(p)[0], metric, 0.0)
-            keys.append(p.public_key)
-            costs.append(c1)
-            sds.append(sd1)
         owner = self.view._key_owner
         news = False
         for key, cost, sd in zip(keys, costs, sds, strict=True):

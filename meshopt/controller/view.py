@@ -228,7 +228,13 @@ class _PeerArrays:
 
     @classmethod
     def of(cls, rows: _Rows) -> _PeerArrays:
-        reps = list(rows.values())
+        return cls.of_reports(list(rows), list(rows.values()), rows.version, rows)
+
+    @classmethod
+    def of_reports(
+        cls, keys: list[str], reps: list[PeerReport], version: int = -1, rows: _Rows | None = None
+    ) -> _PeerArrays:
+        """From reports in a list (a change report's peers: a key may come twice)."""
 
         def col(name: str) -> FloatArray:
             return np.array(
@@ -236,7 +242,7 @@ class _PeerArrays:
             )
 
         return cls(
-            keys=list(rows),
+            keys=keys,
             alive=np.array([-1 if p.alive is None else int(p.alive) for p in reps], dtype=np.int8),
             rtt=col("rtt_ms"),
             jitter=col("jitter_ms"),
@@ -247,7 +253,7 @@ class _PeerArrays:
             loss_n=np.array([p.loss_outcomes for p in reps], dtype=np.float64),
             bandwidth=col("bandwidth_mbit"),
             pmtu=col("pmtu"),
-            version=rows.version,
+            version=version,
             rows=rows,
         )
 

@@ -201,7 +201,8 @@ def test_tunnels_that_differ_decide_a_near_tie_either_way() -> None:
     ends = set()
     for seed in range(10):
         r = run(topo, "at=59s link=a-b delay=9.5ms", duration_s=60.0, keep_routes=True,
-                symmetric=True, tunnel_ms=1.5, tunnel_spread_ms=1.0, seed=seed, **AT_ONCE)  # fmt: skip
+                symmetric=True, tunnel_ms=1.5, tunnel_spread_ms=1.0, seed=seed,
+                **AT_ONCE)  # fmt: skip
         routes = only_event(r).routes
         assert routes is not None
         ends.add(routes["a"]["c"])
