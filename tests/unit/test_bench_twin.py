@@ -3,6 +3,7 @@ minutes: scripts/bench_twin.py)."""
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -13,12 +14,15 @@ from meshopt.bench.twin import (
     Scenario,
     Timeline,
     _lab_medians,
+    _time_row,
     compare,
     exact_ties,
     install_each,
     mode_routes,
+    predicted_routes,
     same_routes,
     scenario,
+    seed_band,
     self_agreement,
     sim_side,
     table,
@@ -222,3 +226,48 @@ def test_a_window_every_lab_runs_agents_stalled_in_is_neither_met_nor_missed() -
     assert "**no**" not in failure and "5.00" in failure
     degradation = next(x for x in text.splitlines() if "| degradation" in x)
     assert "stalled" not in degradation and "yes" in degradation
+
+
+def test_the_seeds_range_is_their_middle_with_never_later_than_any_time() -> None:
+    assert seed_band([float(x) for x in range(10, 0, -1)]) == (3.0, 8.0)
+    assert seed_band([1.0, 2.0, None, None, None, 3.0, 4.0, 5.0, 6.0, None]) == (3.0, math.inf)
+    assert seed_band([2.0]) == (2.0, 2.0) and seed_band([]) is None
+
+
+def test_a_time_the_seeds_differ_on_is_met_inside_their_range() -> None:
+    seeds = [13.4, 20.0, 23.2, 30.0, 33.6, None, None, None, None, None]
+    far = _time_row(seeds, None, 35.1)  # the median is "never": the lab's is inside
+    assert far["ok_median"] is False and far["ok"] is True
+    assert _time_row(seeds, None, None)["ok"] is None  # neither reached: nothing to judge
+    tight = [1.0, 1.1, 1.2, 1.2, 1.3, 1.3, 1.4, 1.5, 1.5, 9.0]
+    assert _time_row(tight, 1.3, 1.6) == {
+        "sim": 1.3, "lab": 1.6, "sim_range": (1.2, 1.5), "ok": True, "ok_median": True,
+    }  # fmt: skip
+    late = _time_row(tight, 1.3, 4.0)  # beyond the range's tolerance, one seed or not
+    assert late["ok"] is False and late["ok_median"] is False
+    assert _time_row(tight, 1.3, None)["ok"] is False  # the lab never: the seeds all did
+
+
+def test_a_next_hop_two_seeds_of_ten_ended_on_is_predicted() -> None:
+    par = {"lon": {"waw": "par"}, "waw": {"lon": "par"}}
+    direct = {"lon": {"waw": "waw"}, "waw": {"lon": "lon"}}
+    assert predicted_routes([direct] * 8 + [par] * 2, par) == 1.0
+    assert predicted_routes([direct] * 9 + [par], par) == 0.0
+    assert predicted_routes([direct] * 9 + [par], direct) == 1.0
+    assert predicted_routes([None], par) is None and predicted_routes([par], None) is None
+
+
+def test_the_table_says_when_a_goal_was_met_only_in_the_seeds_range() -> None:
+    sc, sim = demo()
+    lab = {k: v for k, v in sim.items() if k != "runs"}
+    base = sim["runs"][0]
+    runs = [{**base, "relay_failure": {**base["relay_failure"], "hop_changes": c}}
+            for c in [12, 12, 12, 14, 12, 14, 14, 12, 12, 12]]  # fmt: skip
+    sim = {**sim, "runs": runs, "relay_failure": {**sim["relay_failure"], "hop_changes": 12}}
+    lab = {**lab, "relay_failure": {**lab["relay_failure"], "hop_changes": 15}}
+    rows = compare(sc, SHORT, sim, lab)
+    ch = rows["relay_failure"]["changes"]
+    assert ch["ok_median"] is False and ch["ok"] is True, ch
+    text = table({"topologies": [{"topology": "demo", "compare": rows}]})
+    failure = next(x for x in text.splitlines() if "relay_failure" in x)
+    assert "yes, in the seeds' 12.00-14.00" in failure
