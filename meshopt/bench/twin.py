@@ -503,11 +503,27 @@ def lab_side(
             run = keep / f"twin{index}"
             keep_logs(lab, run)
             (run / "readings.json").write_text(json.dumps(log))
+            heard = heard_rows(tap.heard(mesh.key_owner()), wall0)
+            (run / "telemetry.json").write_text(json.dumps(heard))
         return out
     finally:
         tap.stop()
         mesh.stop()
         lab.down()
+
+
+HEARD_FIELDS = ("rtt_ms", "jitter_ms", "noise_ms", "loss", "samples", "alive")
+
+
+def heard_rows(heard: list[Heard], wall0: float) -> dict[str, Any]:
+    """Every peer report the controller was told, for a run's logs: what it priced each
+    link from, when (seconds from the agents' start). Which of two near-tied paths a
+    run ended on is then one look at these, not a debug build."""
+    rows = [
+        [round(h.at - wall0, 3), h.node, h.peer, *(getattr(h.report, f) for f in HEARD_FIELDS)]
+        for h in heard
+    ]
+    return {"fields": ["at_s", "node", "peer", *HEARD_FIELDS], "rows": rows}
 
 
 # The steady spell before the first event whose telemetry tells what the tunnels add

@@ -17,6 +17,7 @@ from meshopt.bench.twin import (
     _time_row,
     compare,
     exact_ties,
+    heard_rows,
     install_each,
     mode_routes,
     predicted_routes,
@@ -271,3 +272,17 @@ def test_the_table_says_when_a_goal_was_met_only_in_the_seeds_range() -> None:
     text = table({"topologies": [{"topology": "demo", "compare": rows}]})
     failure = next(x for x in text.splitlines() if "relay_failure" in x)
     assert "yes, in the seeds' 12.00-14.00" in failure
+
+
+def test_a_runs_logs_keep_every_report_the_controller_was_told() -> None:
+    from meshopt.bus.messages import PeerReport
+    from meshopt.lab.tap import Heard
+
+    rep = PeerReport(public_key="k", ifname="wg0", alive=True, rtt_ms=80.9, jitter_ms=0.2,
+                     samples=12)  # fmt: skip
+    got = heard_rows([Heard(at=1000.25, node="lon", peer="waw", report=rep)], 990.0)
+    assert got["fields"][:3] == ["at_s", "node", "peer"]
+    row = dict(zip(got["fields"], got["rows"][0], strict=True))
+    assert row == {"at_s": 10.25, "node": "lon", "peer": "waw", "rtt_ms": 80.9,
+                   "jitter_ms": 0.2, "noise_ms": None, "loss": None, "samples": 12,
+                   "alive": True}  # fmt: skip
