@@ -967,9 +967,12 @@ def simulate(
             t0 = clock()
             truth = _truth(live, node_up, metric, cfg.symmetric, est, tunnels_add)
             phase["truth"] += clock() - t0
+            # Events at one instant (a jitter period, one per link) share the stragglers
+            # of before them: the tracker of the one before has scored nothing yet.
+            left = tracker.bad if tracker.bad is not None else tracker.leftover
             tracker = _Tracker(
                 EventResult(event=ev.text, at_s=ev.at_s),
-                leftover=None if tracker.bad is None else tracker.bad.copy(),
+                leftover=None if left is None else left.copy(),
             )
             results.append(tracker.result)
             truth_moved = True
