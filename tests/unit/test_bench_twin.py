@@ -13,6 +13,7 @@ import pytest
 from meshopt.bench.twin import (
     Scenario,
     Timeline,
+    _converged,
     _lab_medians,
     _time_row,
     compare,
@@ -286,3 +287,23 @@ def test_a_runs_logs_keep_every_report_the_controller_was_told() -> None:
     assert row == {"at_s": 10.25, "node": "lon", "peer": "waw", "rtt_ms": 80.9,
                    "jitter_ms": 0.2, "noise_ms": None, "loss": None, "samples": 12,
                    "alive": True}  # fmt: skip
+
+
+def test_the_labs_window_leaves_out_the_stragglers_from_before_unless_broken() -> None:
+    from meshopt.analysis import plan
+    from meshopt.policy import PolicyConfig
+    from meshopt.topology.model import LinkProps, Node, Topology
+
+    # a-c 80 ms direct, via b 74.4 ms: direct is 7 % over the optimum, a straggler.
+    links = {("a", "b"): LinkProps(18.6), ("b", "c"): LinkProps(18.6), ("a", "c"): LinkProps(40.0)}
+    links |= {(y, x): p for (x, y), p in list(links.items())}
+    topo = Topology.from_links("t", [Node(x) for x in "abc"], LinkProps(40.0), links)
+    best = plan(topo, symmetric=True)
+    direct = {x: {y: y for y in "abc" if y != x} for x in "abc"}
+    log = [(9.0, direct), (10.5, direct), (11.0, direct)]
+    pol = PolicyConfig()
+    assert _converged(log, best, 10.0, 20.0, pol, 0.05) is None  # a->c counted
+    assert _converged(log, best, 10.0, 20.0, pol, 0.05, best) == pytest.approx(0.5)
+    down = topo.copy()
+    down.tunnels[0, 2] = down.tunnels[2, 0] = False  # the event cut a-c: a->c is broken
+    assert _converged(log, plan(down, symmetric=True), 10.0, 20.0, pol, 0.05, best) is None
