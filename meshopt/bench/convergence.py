@@ -105,6 +105,26 @@ def snapshot(mesh: LiveMesh) -> dict[str, dict[str, str]]:
         return dict(zip(mesh.nodes, pool.map(mesh._node_hops, mesh.nodes), strict=True))
 
 
+def outside(
+    best: Plan,
+    hops: dict[str, dict[str, str]],
+    abs_ms: float,
+    rel: float,
+    *,
+    of_current: bool = False,
+) -> list[tuple[str, str, list[str]]]:
+    """The ordered pairs of one snapshot not on a path the policy keeps, with the path
+    taken: within ``abs_ms`` or ``rel`` of the optimum, or (``of_current``) with a gain
+    under ``abs_ms`` or ``rel`` of the path's own cost, the policy's own margins."""
+    keeps = policy_keeps if of_current else near_optimum
+    out = []
+    for a, b in pairs(sorted(hops)):
+        path = LiveMesh.path_from(hops, a, b)
+        if not keeps(best, path, abs_ms, rel):
+            out.append((a, b, path))
+    return out
+
+
 def missing(
     best: Plan,
     hops: dict[str, dict[str, str]],
@@ -113,16 +133,11 @@ def missing(
     *,
     of_current: bool = False,
 ) -> list[str]:
-    """The pairs of one snapshot not on a path the policy keeps, with the path taken:
-    within ``abs_ms`` or ``rel`` of the optimum, or (``of_current``) with a gain under
-    ``abs_ms`` or ``rel`` of the path's own cost, the policy's own margins."""
-    keeps = policy_keeps if of_current else near_optimum
-    out = []
-    for a, b in pairs(sorted(hops)):
-        path = LiveMesh.path_from(hops, a, b)
-        if not keeps(best, path, abs_ms, rel):
-            out.append(f"{a}->{b} via {'-'.join(path) if path else 'none'}")
-    return out
+    """:func:`outside` as "a->b via a-x-b"."""
+    return [
+        f"{a}->{b} via {'-'.join(path) if path else 'none'}"
+        for a, b, path in outside(best, hops, abs_ms, rel, of_current=of_current)
+    ]
 
 
 def kept(best: Plan, hops: dict[str, dict[str, str]], abs_ms: float, rel: float) -> int:

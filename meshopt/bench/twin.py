@@ -322,30 +322,19 @@ class _Reader(threading.Thread):
 
 def _outside(
     best: Plan, hops: dict[str, dict[str, str]], policy: PolicyConfig, rel: float
-) -> set[tuple[str, str]]:
+) -> dict[tuple[str, str], list[str]]:
     """The ordered pairs of one reading outside ``policy.abs_margin_ms`` or ``rel`` of
-    the optimum."""
-    from meshopt.lab.measure import near_optimum, pairs
+    the optimum, with their paths."""
+    from meshopt.bench.convergence import outside
 
-    return {
-        (a, b)
-        for a, b in pairs(sorted(hops))
-        if not near_optimum(best, _path(hops, a, b), policy.abs_margin_ms, rel)
-    }
+    return {(a, b): path for a, b, path in outside(best, hops, policy.abs_margin_ms, rel)}
 
 
-def _path(hops: dict[str, dict[str, str]], a: str, b: str) -> list[str]:
-    from meshopt.lab.mesh import LiveMesh
-
-    return LiveMesh.path_from(hops, a, b)
-
-
-def _broken(best: Plan, hops: dict[str, dict[str, str]], a: str, b: str) -> bool:
-    """The pair's path does not deliver on the topology ``best`` was planned on (a loop,
-    a dead end, a link or node that is down)."""
+def _broken(best: Plan, path: list[str]) -> bool:
+    """The path does not deliver on the topology ``best`` was planned on (a loop, a dead
+    end, a link or node that is down)."""
     from meshopt.lab.measure import path_cost
 
-    path = _path(hops, a, b)
     return len(path) < 2 or path[-1] == "?" or not math.isfinite(path_cost(best, path))
 
 
@@ -366,17 +355,17 @@ def _converged(
     before's stragglers, not this event's doing, as the simulator leaves them out
     (:class:`meshopt.sim.engine._Tracker`). A pair whose small gain waited on its loss
     estimate across an event made the event "never" converge in the lab alone."""
-    leftover: set[tuple[str, str]] = set()
+    leftover: dict[tuple[str, str], list[str]] = {}
     if before is not None:
-        last = [h for t, h in log if t < start]
-        if last:
-            leftover = _outside(before, last[-1], policy, rel)
+        last = next((h for t, h in reversed(log) if t < start), None)
+        if last is not None:
+            leftover = _outside(before, last, policy, rel)
     at: float | None = None
     for t, hops in log:
         if t < start or t >= end:
             continue
         bad = _outside(best, hops, policy, rel)
-        ok = all(p in leftover and not _broken(best, hops, *p) for p in bad)
+        ok = all(p in leftover and not _broken(best, path) for p, path in bad.items())
         at = None if not ok else (t if at is None else at)
     return None if at is None else at - start
 
@@ -728,14 +717,18 @@ def _in_band(band: tuple[float, float] | None, lab: float | None, tol: float) ->
     return band[0] - tol <= lab <= band[1] + tol
 
 
-def _time_row(seeds: list[Any], sim: float | None, lab: float | None) -> dict[str, Any]:
-    """A time judged both ways: the seeds' median against the lab's (``ok_median``),
-    and the lab's within the seeds' range (``ok``, which the median passing implies)."""
+def _judged(seeds: list[Any], median: bool | None, lab: float | None, tol: float) -> dict[str, Any]:
+    """A figure judged both ways: the seeds' median against the lab's (``median``,
+    kept as ``ok_median``), and the lab's within ``tol`` of the seeds' range (``ok``,
+    which the median passing implies)."""
     band = seed_band(seeds)
-    tol = 0.5 if lab is None else max(0.5, 0.3 * lab)
-    median = _time_ok(sim, lab)
     ok = median if median is not False else _in_band(band, lab, tol)
-    return {"sim": sim, "lab": lab, "sim_range": band, "ok": ok, "ok_median": median}
+    return {"sim_range": band, "ok": ok, "ok_median": median}
+
+
+def _time_row(seeds: list[Any], sim: float | None, lab: float | None) -> dict[str, Any]:
+    tol = 0.5 if lab is None else max(0.5, 0.3 * lab)
+    return {"sim": sim, "lab": lab, **_judged(seeds, _time_ok(sim, lab), lab, tol)}
 
 
 def predicted_routes(
@@ -776,7 +769,6 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
         tol = max(1.0, pairs_ / 10.0)
         sc_, mc = s.get("hop_changes"), m.get("hop_changes")
         median = None if sc_ is None or mc is None else abs(sc_ - mc) <= tol
-        band = seed_band([r.get("hop_changes") for r in each])
         diff = _diff(s.get("routes"), m.get("routes"))
         ties = exact_ties(window_topology(sc, tl, name), s.get("routes"), m.get("routes"))
         pairs_ordered = 2 * pairs_
@@ -784,9 +776,8 @@ def compare(sc: Scenario, tl: Timeline, sim: dict[str, Any], lab: dict[str, Any]
             **{k: _time_row([r.get(k) for r in each], s.get(k), m.get(k))
                for k in ("outage_s", *WINDOW_TIMES)},
             "changes": {"sim": sc_, "sim_decided": s.get("decided_changes"), "lab": mc,
-                        "tolerance": tol, "sim_range": band, "ok_median": median,
-                        "ok": median if median is not False
-                        else _in_band(band, mc, tol)},
+                        "tolerance": tol,
+                        **_judged([r.get("hop_changes") for r in each], median, mc, tol)},
             "left_out": m.get("left_out", 0),
             "stalled": m.get("stalled", False),
             "final_routes_same": {"share": share, "predicted": predicted,
