@@ -10,7 +10,8 @@ of it report the same figures:
   sample further than ``k`` scales from it is rejected unless it is part of a
   confirmed change (:func:`~meshopt.estimate.confirmed_change`), and the warm-up is
   checked for spikes (:func:`~meshopt.estimate.warm_up_restart`). A simulated round
-  has one sample per link, so each outlier is its own group. The default is
+  has one sample per link, so each outlier is its own group, and each warm-up sample
+  its own burst. The default is
   :data:`~meshopt.estimate.PLAIN` (every sample accepted) until the engine adopts it;
 * ``jitter``: the standard deviation σ of the accepted RTT samples (West's incremental
   EWMA of squared deviations with the warm-up corrections), the one meaning of jitter

@@ -109,6 +109,38 @@ def test_a_spike_in_the_warm_up_is_dropped_when_it_ends() -> None:
     assert not est.add(260.0, t)  # and later spikes are outliers
 
 
+def test_a_warm_up_burst_is_one_sample_at_its_least() -> None:
+    """One real sample, then six replies a stalled path released together (their probes
+    sent 0.14 s apart, so each waited 0.14 s less than the one before): one sample of
+    their least, which the next real one shows to be far off. One by one, the six
+    outvoted the real sample and the warm-up's check dropped it instead."""
+    est = RttEstimator(A)
+    est.add(23.0, 4.0)
+    for k, rtt in enumerate((1200.0, 1060.0, 920.0, 780.0, 640.0, 500.0)):
+        assert est.add(rtt, 5.5 + k * 0.002)
+    assert est.srtt_ms == pytest.approx(23.0 + A * (500.0 - 23.0))  # two samples
+    assert est.samples == 2
+    est.add(23.2, 5.83)
+    assert est.srtt_ms == pytest.approx(23.1, abs=0.2)
+    assert est.std() is not None and est.std() < 1.0  # type: ignore[operator]
+    assert est.outliers == 1
+
+
+def test_warm_up_samples_further_apart_than_a_burst_each_count() -> None:
+    """A step in the warm-up, its samples an interval apart: each counts, and the
+    estimate follows it; a burst's later, larger member changes nothing."""
+    est = RttEstimator(A)
+    est.add(23.0, 0.0)
+    t = IV
+    for _ in range(3):
+        est.add(650.0, t)
+        t += IV
+    assert est.samples == 3 and est.srtt_ms == pytest.approx(650.0)
+    before = est.srtt_ms
+    assert est.add(900.0, t - IV + 0.01)  # queued behind the last: no sample
+    assert est.srtt_ms == before and est.samples == 3
+
+
 def test_plain_is_the_ewma_of_every_sample() -> None:
     est = RttEstimator(0.5, PLAIN)
     for i, x in enumerate((10.0, 12.0, 11.0, 15.0, 300.0)):

@@ -287,6 +287,73 @@ def test_replies_held_behind_a_handshake_are_life_not_rtt() -> None:
         proc.wait(timeout=10)
 
 
+# A UDP relay between the prober and a responder, standing for the peer's path (its
+# wireguard-go): SIGSTOP it and the probes queue in its socket, to come out together.
+RELAY = """
+import select, socket, sys
+front = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+front.bind(("::1", 0))
+back = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+back.bind(("::1", 0))
+print(front.getsockname()[1], flush=True)
+to, client = ("::1", int(sys.argv[1])), None
+while True:
+    for s in select.select([front, back], [], [])[0]:
+        data, addr = s.recvfrom(65535)
+        if s is front:
+            client = addr
+            back.sendto(data, to)
+        elif client is not None:
+            front.sendto(data, client)
+"""
+
+
+def test_replies_a_stalled_path_releases_together_count_once() -> None:
+    """The path holds 1.2 s of probes right after the peer's first sample, then lets
+    them out at once (a wireguard-go starved of CPU): replies of 0.2-1.2 s, up to six
+    with the retries, where the link has one real sample of under a millisecond. They
+    prove the peer alive and are one sample, their least, which the warm-up's check then
+    drops. Counted one by one they outvoted the real sample and were kept (the 16-node
+    lab's ash2->nyc1: 733 ms told for a 23 ms tunnel, and a relay held 30 s for it)."""
+    events: list[tuple[str, bool]] = []
+
+    async def main() -> None:
+        responder = Responder()
+        await responder.start("::", 0)
+        relay = subprocess.Popen(
+            [sys.executable, "-c", RELAY, str(responder.port)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert relay.stdout is not None
+            port = int(relay.stdout.readline())
+            prober = Prober(ProbeConfig(port=port), on_change=lambda n, a: events.append((n, a)))
+            prober.set_targets([Target("peer", "::1")])
+            await prober.start()
+            try:
+                await until(lambda: (s := prober.stats("peer")) is not None and s.samples >= 1, 10)
+                os.kill(relay.pid, signal.SIGSTOP)
+                sent = prober.counters["sent"]
+                await asyncio.sleep(1.2)
+                os.kill(relay.pid, signal.SIGCONT)
+                held = prober.counters["sent"] - sent
+                await asyncio.sleep(1.5)  # four or five samples after the held ones
+                s = prober.stats("peer")
+                assert s is not None and s.srtt_ms is not None and s.srtt_ms < 50.0, s
+                assert s.rtt_std_ms is not None and s.rtt_std_ms < 50.0, s
+                assert prober.alive("peer") is True
+                assert held >= 4, prober.counters  # probes and their retries were held
+                assert events == [("peer", False), ("peer", True)]  # 1.2 s: dead, back
+            finally:
+                await prober.close()
+        finally:
+            os.kill(relay.pid, signal.SIGCONT)
+            relay.terminate()
+            relay.wait(timeout=10)
+            responder.close()
+
+    asyncio.run(main())
+
+
 def test_a_peer_that_dies_during_a_stall_is_declared_dead_soon_after() -> None:
     events: list[tuple[str, bool, float]] = []
 
