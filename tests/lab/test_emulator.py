@@ -499,7 +499,16 @@ def test_loop_drops_unknown_and_down(loop_emulator: tuple[Emulator, list[socket.
     assert emu.handle_request(b'{"op": "node", "node": "c", "up": false}')["ok"]
     nodes[0].send(_ipv4("172.31.0.1", "172.31.0.3"))
     nodes[2].send(_ipv4("172.31.0.3", "172.31.0.1"))
-    time.sleep(0.1)
+
+    def handled() -> bool:  # the loop is a thread: c comes back only once it dropped both
+        stats = emu.stats()
+        down = {(p["src"], p["dst"]): p["drop_down"] for p in stats["pairs"]}
+        return stats["nodes"][0]["unknown"] == 2 and down.get((0, 2)) == down.get((2, 0)) == 1
+
+    deadline = time.monotonic() + 2.0
+    while not handled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handled(), emu.stats()
     assert emu.handle_request(b'{"op": "node", "node": 2, "up": true}')["ok"]
     nodes[0].send(_ipv4("172.31.0.1", "172.31.0.3", b"after"))
     assert nodes[2].recv(2048).endswith(b"after")  # the dropped packet never came

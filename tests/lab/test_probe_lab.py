@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from meshopt.lab.lab import Lab
+from meshopt.lab.mesh import wait_until
 from meshopt.probe.prober import STALL_TOLERANCE_S, ProbeConfig
 
 from .tools import calibrate_now, need_tools, ping_from, rtt_tolerance
@@ -54,6 +55,18 @@ def responder(quiet: Lab) -> Iterator[subprocess.Popen[str]]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+# A probe reply as n1's tunnel counts it: the reply, its UDP and IP headers and
+# WireGuard's own 32 bytes (a keepalive, 32 bytes, is less).
+REPLY_BYTES = 64
+
+
+def _received(lab: Lab) -> int:
+    """Bytes n1's WireGuard has received from n2 (``wg show transfer``)."""
+    out = lab.run("n1", ["wg", "show", "all", "transfer"]).stdout
+    n2 = {w.public_key for w in lab.state.wg if w.node == "n2"}
+    return sum(int(rx) for _, key, rx, _ in (ln.split() for ln in out.splitlines()) if key in n2)
 
 
 def prober_argv(lab: Lab, *extra: str) -> list[str]:
@@ -102,11 +115,16 @@ def test_probe_rtt_matches_the_emulated_rtt(quiet: Lab, responder: subprocess.Po
 def test_a_peer_cut_off_is_declared_dead_within_a_second(
     quiet: Lab, responder: subprocess.Popen[str]
 ) -> None:
+    before = _received(quiet)
     proc = quiet.popen(
-        "n1", prober_argv(quiet, "--duration", "4", "--events"), stdout=subprocess.PIPE, text=True
+        "n1", prober_argv(quiet, "--duration", "6", "--events"), stdout=subprocess.PIPE, text=True
     )
     try:
-        time.sleep(1.0)  # default settings: alive after its first replies
+        # Alive after its first replies: waited for in n1's tunnel counters (a prober
+        # that starts slowly on a busy machine would otherwise see no peer to lose).
+        replied = wait_until(lambda: _received(quiet) >= before + 2 * REPLY_BYTES, 3.0)
+        assert replied is not None, "no probe reply reached n1"
+        time.sleep(0.2)  # the replies read by the prober's next tick
         quiet.set("node=n2 down")
         cut = time.monotonic()
         time.sleep(1.5)

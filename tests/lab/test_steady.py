@@ -33,6 +33,22 @@ GAP_S = 20.0  # between stalls: routes are read from the kernels every second me
 MAX_CHANGES = 1
 
 
+STARTUP_S = 15.0
+
+
+def _on_optimum(hops: dict[str, dict[str, str]]) -> bool:
+    """Every pair direct but n1 <-> n4, which relays through n2 (34 ms against 80 ms;
+    n1-n3's 30 ms ties with n1-n2-n3, and the direct path has the fewer hops)."""
+    want = {("n1", "n4"): ["n1", "n2", "n4"], ("n4", "n1"): ["n4", "n2", "n1"]}
+    nodes = sorted(hops)
+    return all(
+        LiveMesh.path_from(hops, s, d) == want.get((s, d), [s, d])
+        for s in nodes
+        for d in nodes
+        if s != d
+    )
+
+
 def _count(lab: Lab, pattern: str) -> int:
     return sum(len(re.findall(pattern, agent_log(lab, n))) for n in lab.topo.names)
 
@@ -44,13 +60,17 @@ def test_a_mesh_at_rest_stays_at_rest_through_stalls(lab_ok: None, tmp_path: Pat
     assert "jitter: 0.2ms" in text
     topo.write_text(text.replace("jitter: 0.2ms", "jitter: 1ms"))
     lab = Lab.up(str(topo), name=new_lab_id(), underlay="emulator")
-    live = LiveMesh(lab)
+    # The controller's start-up phase takes small gains after a short hold: the mesh is
+    # not at rest until it ends, so it is shortened here and waited out.
+    live = LiveMesh(lab, controller_settings={"startup_s": STARTUP_S})
     try:
+        started = time.monotonic()
         live.start()
-        relayed = wait_until(lambda: len(live.path("n1", "n4")) == 3, 60, interval=0.5)
-        assert relayed is not None, f"n1->n4 never relayed:\n{live.logs()}"
-        # Settled: every pair on a path the policy keeps (start-up confirms take ~10 s).
-        time.sleep(15.0)
+        settled = wait_until(lambda: _on_optimum(live.next_hops()), 60, interval=0.5)
+        assert settled is not None, f"never every pair on its optimum:\n{live.logs()}"
+        # The phase counts from the first telemetry (~3 s after the agents start).
+        time.sleep(max(0.0, started + STARTUP_S + 5.0 - time.monotonic()))
+        assert _on_optimum(live.next_hops()), live.logs()
         dead, failovers = _count(lab, r"peer \S+ DEAD"), _count(lab, r"fail-over ")
         hops = live.next_hops()
         changes: list[tuple[float, str, str, str, str]] = []
