@@ -37,7 +37,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -733,6 +733,16 @@ class Lab:
         the PIDs that were stalled."""
         if not 0 < seconds <= 600:
             raise InputError(f"lab {self.plan.name}: stall of {seconds:g} s: give 0 < S <= 600")
+        with self.paused(node, agent_only=agent_only, pids=pids) as stopped:
+            time.sleep(seconds)
+        return stopped
+
+    @contextlib.contextmanager
+    def paused(
+        self, node: str, *, agent_only: bool = False, pids: Sequence[int] | None = None
+    ) -> Iterator[list[int]]:
+        """:meth:`stall` for as long as the ``with`` block runs (a change made behind a
+        paused agent's back is there to be read before the agent can see it)."""
         lab_id = self.plan.lab_id
         if pids is None:
             pids = [
@@ -749,12 +759,11 @@ class Lab:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
-            time.sleep(seconds)
+            yield stopped
         finally:
             for pid in stopped:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-        return stopped
 
     def apply(self, ev: Event) -> None:
         client = self.emulator

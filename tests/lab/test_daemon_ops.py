@@ -279,9 +279,12 @@ def test_allowed_ips_put_back_after_wg_syncconf_reverts_them(n1: Unprivileged) -
     assert n4_ip in configured
     start = len(n1.log())
     argv = ["wg", "set", "wg0", "peer", key_of["n4"], "allowed-ips", ",".join(configured)]
-    lab.run("n1", argv, check=True)
-    # What syncconf leaves: n4 has its address, the relay lost it.
-    assert n4_ip not in mesh.allowed_ips("n1")[key_of[relay]]
+    # The agent paused while the change is made and read: its poll could repair it first.
+    with lab.paused("n1", agent_only=True) as stopped:
+        assert stopped, "n1's agent was not found to pause"
+        lab.run("n1", argv, check=True)
+        # What syncconf leaves: n4 has its address, the relay lost it.
+        assert n4_ip not in mesh.allowed_ips("n1")[key_of[relay]]
     back = wait_until(lambda: n4_ip in mesh.allowed_ips("n1")[key_of[relay]], 20, interval=0.1)
     assert back is not None, n1.log()[start:]
     assert n4_ip not in mesh.allowed_ips("n1")[key_of["n4"]]

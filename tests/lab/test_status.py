@@ -66,7 +66,13 @@ def live(lab_ok: None) -> Iterator[LiveMesh]:
     need_tools("mosquitto", "wireguard-go")
     lab = Lab.up(str(EXAMPLES / "lab4.yaml"), name=new_lab_id(), layout="per-peer")
     mesh = LiveMesh(lab)
-    mesh.agent_sections = {**mesh.agent_sections, "metrics": {"status_interval_s": 1.0}}
+    # A peer declared dead re-applies the plan and would repair the kernel state the test
+    # breaks on purpose: a busy machine's stall must not flip one (5 s, not 0.8 s).
+    mesh.agent_sections = {
+        **mesh.agent_sections,
+        "metrics": {"status_interval_s": 1.0},
+        "probe": {"dead_after_s": 5.0},
+    }
     try:
         mesh.start()
         n = len(mesh.nodes)
