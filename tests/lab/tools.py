@@ -181,10 +181,22 @@ def assert_change_within_100ms(
         text=True,
     )
     children.append(proc)
-    time.sleep(0.4)
+    # The first reply before the change (ping starts slowly on a busy machine), then
+    # ~0.2 s of them: the old RTT is read from what came before the change.
+    assert proc.stdout is not None
+    first = ""
+    deadline = time.monotonic() + 10.0
+    while "time=" not in first and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        first = line if "time=" in line else ""
+    assert "time=" in first, "ping got no reply before the change"
+    time.sleep(0.2)
     t_change = time.time()
     change()
-    out, err = proc.communicate(timeout=20)
+    rest, err = proc.communicate(timeout=20)
+    out = first + rest
     replies = [
         (float(m[1]), float(m[2]))
         for m in re.finditer(r"^\[([\d.]+)\].*time=([\d.]+) ms", out, re.MULTILINE)
