@@ -537,7 +537,11 @@ def lab_side(
         lab.down()
 
 
-HEARD_FIELDS = ("rtt_ms", "jitter_ms", "noise_ms", "loss", "samples", "alive")
+# The probe interval says how fast a link's estimate can follow a change (an idle link
+# is probed every 2 s or more, one in use every 0.33 s).
+HEARD_FIELDS = (
+    "rtt_ms", "jitter_ms", "noise_ms", "loss", "samples", "alive", "probe_interval_s",
+)  # fmt: skip
 
 
 def heard_rows(heard: list[Heard], wall0: float) -> dict[str, Any]:

@@ -280,13 +280,13 @@ def test_a_runs_logs_keep_every_report_the_controller_was_told() -> None:
     from meshopt.lab.tap import Heard
 
     rep = PeerReport(public_key="k", ifname="wg0", alive=True, rtt_ms=80.9, jitter_ms=0.2,
-                     samples=12)  # fmt: skip
+                     samples=12, probe_class="idle", probe_interval_s=2.0)  # fmt: skip
     got = heard_rows([Heard(at=1000.25, node="lon", peer="waw", report=rep)], 990.0)
     assert got["fields"][:3] == ["at_s", "node", "peer"]
     row = dict(zip(got["fields"], got["rows"][0], strict=True))
     assert row == {"at_s": 10.25, "node": "lon", "peer": "waw", "rtt_ms": 80.9,
                    "jitter_ms": 0.2, "noise_ms": None, "loss": None, "samples": 12,
-                   "alive": True}  # fmt: skip
+                   "alive": True, "probe_interval_s": 2.0}  # fmt: skip
 
 
 def test_the_labs_window_leaves_out_the_stragglers_from_before_unless_broken() -> None:
