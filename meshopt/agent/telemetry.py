@@ -185,6 +185,24 @@ def check_interval(warm: Any, since_start_s: Any, cfg: TelemetrySettings) -> Any
     return fast + settled * (cfg.check_interval_s - fast)
 
 
+def full_due(now: Any, last_full: Any, interval: Any, cfg: TelemetrySettings) -> Any:
+    """Whether a full snapshot is due at a check at ``now`` (operators only, as
+    :func:`reports_moved`). Half a check early counts: checks run a whole
+    ``check_interval_s`` apart, and one landing a few ms short of the interval pushed the
+    snapshot a whole check later. With change reports shifting the checks, the lab's
+    16 agents sent theirs every 5 or 6 s, and their phases, started within 0.5 s, spread
+    over the interval; the simulator's stayed together."""
+    return now - last_full >= interval - cfg.check_interval_s / 2
+
+
+def full_anchor(now: float, last_full: float, interval: float, cfg: TelemetrySettings) -> float:
+    """When a due full snapshot counts as sent: on schedule (within a check of when it
+    was due), when it was due, so that snapshots keep their phase; else (the first, or
+    after a silence) now."""
+    due = last_full + interval
+    return due if abs(now - due) <= cfg.check_interval_s else now
+
+
 def full_interval(peers: int, cfg: TelemetrySettings) -> float:
     """Seconds between full snapshots for ``peers`` peers.
 
@@ -203,6 +221,9 @@ class Plan:
     full: bool
     peers: list[PeerReport]
     interval_s: float  # the full-snapshot interval, announced in the message
+    # A full snapshot sent on schedule counts from when it was due, not from when the
+    # check that sent it happened to run (:func:`full_anchor`); None: from now.
+    due_at: float | None = None
 
 
 @dataclass
@@ -225,7 +246,10 @@ class Cadence:
         self, reports: Mapping[str, PeerReport], now: float, cfg: TelemetrySettings
     ) -> Plan | None:
         interval = full_interval(len(reports), cfg)
-        if now - self.last_full >= interval or set(reports) != set(self.last_published):
+        if full_due(now, self.last_full, interval, cfg):
+            due = full_anchor(now, self.last_full, interval, cfg)
+            return Plan(True, list(reports.values()), interval, due)
+        if set(reports) != set(self.last_published):
             return Plan(True, list(reports.values()), interval)
         keys = changed_peers(self.last_published, reports, cfg)
         if keys and not self.warm():
@@ -244,7 +268,7 @@ class Cadence:
         whose values move only when it is told, like the scale benchmark's agents, may
         sleep until then instead of checking every ``check_interval_s``)."""
         beat = self.last_sent + cfg.full_interval_s - cfg.check_interval_s / 2
-        return min(beat, self.last_full + full_interval(peers, cfg))
+        return min(beat, self.last_full + full_interval(peers, cfg) - cfg.check_interval_s / 2)
 
     def warm(self) -> bool:
         """Every peer that answered was told with WARM_SAMPLES samples (a peer told dead
@@ -255,7 +279,7 @@ class Cadence:
     def sent(self, plan: Plan, now: float) -> None:
         if plan.full:
             self.last_published = {p.public_key: p for p in plan.peers}
-            self.last_full = now
+            self.last_full = now if plan.due_at is None else plan.due_at
         else:
             self.last_published.update((p.public_key, p) for p in plan.peers)
         self.last_sent = now

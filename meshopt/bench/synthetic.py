@@ -56,7 +56,7 @@ from typing import Any, Final, Literal
 from meshopt.agent.config import TelemetrySettings
 from meshopt.agent.core import AgentCore, RouteState
 from meshopt.agent.daemon import AGENT_KEEPALIVE_S
-from meshopt.agent.telemetry import Cadence, Plan, full_interval, signed_telemetry
+from meshopt.agent.telemetry import Cadence, Plan, full_due, full_interval, signed_telemetry
 from meshopt.bench.fleet import (
     Fleet,
     LocalPool,
@@ -562,7 +562,7 @@ class SyntheticAgent:
             not full
             and self.factor == self._sent_factor
             and self.cadence.last_published
-            and now - self.cadence.last_full < interval
+            and not full_due(now, self.cadence.last_full, interval, self.tcfg)
         ):
             beat = self.tcfg.full_interval_s - self.tcfg.check_interval_s / 2
             return Plan(False, [], interval) if now - self.cadence.last_sent >= beat else None

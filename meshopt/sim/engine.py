@@ -96,7 +96,13 @@ import numpy.typing as npt
 from meshopt.agent.config import ProbeSettings, TelemetrySettings, probe_budget_config
 from meshopt.agent.peers import HANDSHAKE_DEFER_S
 from meshopt.agent.plan import next_hop_in_use
-from meshopt.agent.telemetry import TELL_GAP_S, check_interval, full_interval, reports_moved
+from meshopt.agent.telemetry import (
+    TELL_GAP_S,
+    check_interval,
+    full_due,
+    full_interval,
+    reports_moved,
+)
 from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import RouteEngine, startup_policy
 from meshopt.controller.view import Matrices, link_matrices, warmed_up
@@ -1287,7 +1293,7 @@ def _report(
         a.pub_samples[rows], got, a.pub_loss[rows], loss, tel,
     )  # fmt: skip
     every = np.array([full_interval(int(k), tel) for k in tunnel[rows].sum(axis=1)])
-    full = (now - a.last_full[rows] >= every - 1e-9)[:, None]
+    full = full_due(now, a.last_full[rows], every, tel)[:, None]
     take = (moved | full) & tunnel[rows]
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
@@ -1303,7 +1309,10 @@ def _report(
     a.pub_sent[ri, ci] = a.sent[rows][take]
     a.pub_loss_n[ri, ci] = np.rint(loss_n[take])
     a.last_seen[rows] = now
-    a.last_full[rows] = np.where(full[:, 0], now, a.last_full[rows])
+    # The agent's Cadence: on schedule, a snapshot counts from when it was due.
+    due = a.last_full[rows] + every
+    anchor = np.where(np.abs(now - due) <= tel.check_interval_s, due, now)
+    a.last_full[rows] = np.where(full[:, 0], anchor, a.last_full[rows])
     # Fast checks until the row was told warm (the agent's Cadence.warm), for at most
     # WARM_WINDOW_S after its start.
     told = (a.pub_alive[rows] == 0) | (a.pub_samples[rows] >= WARM_SAMPLES) | ~tunnel[rows]

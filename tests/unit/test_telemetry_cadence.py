@@ -80,6 +80,36 @@ def test_first_a_full_snapshot_then_nothing_until_a_heartbeat() -> None:
     assert beat is not None and beat.full
 
 
+def test_snapshots_keep_their_phase_when_checks_run_late_or_shift() -> None:
+    """Checks run a little late (timers) and shift (a change report is told at once and
+    the next check counts from it). Snapshots stay on their 5 s grid: each within a
+    check of a multiple of 5 s. Counted from the check that sent them, they drifted
+    by each check's lateness, and one landing a few ms short of 5 s waited a whole
+    check: the lab's agents, started within 0.5 s, ended seconds apart."""
+    c = Cadence()
+    r = reports(*(rep(k) for k in KEYS))
+    t, fulls = 0.0, []
+    while t < 100.0:
+        plan = run(c, r, t)
+        if plan is not None and plan.full:
+            fulls.append(t)
+        t += 1.013 if int(t) % 7 else 1.3  # late, and now and then shifted
+    assert len(fulls) >= 20, fulls
+    assert all(abs(x - 5.0 * round(x / 5.0)) <= 1.0 for x in fulls), fulls
+
+
+def test_a_check_a_few_ms_short_of_the_interval_sends_the_snapshot() -> None:
+    c = Cadence()
+    r = reports(*(rep(k) for k in KEYS))
+    assert run(c, r, 0.0) is not None
+    assert [run(c, r, t) for t in (1.0, 2.0, 3.0, 4.0)] == [None] * 4
+    plan = run(c, r, 4.998)
+    assert plan is not None and plan.full
+    assert c.last_full == 5.0  # counted from when it was due
+    plan = run(c, r, 9.997)
+    assert plan is not None and plan.full
+
+
 def test_between_snapshots_only_changed_peers_go_out_and_heartbeats_are_empty() -> None:
     c = Cadence()
     many = [generate_keypair()[1] for _ in range(60)]  # 60 peers: snapshots every 10 s
@@ -411,8 +441,8 @@ def test_next_due_is_the_next_heartbeat_or_snapshot() -> None:
     many = 240  # 40 s snapshots: the heartbeat comes first
     c2 = Cadence(last_full=100.0, last_sent=130.0)
     assert c2.next_due(many, CFG) == pytest.approx(134.5)
-    c3 = Cadence(last_full=100.0, last_sent=138.0)
-    assert c3.next_due(many, CFG) == pytest.approx(140.0)
+    c3 = Cadence(last_full=100.0, last_sent=138.0)  # the snapshot: half a check early too
+    assert c3.next_due(many, CFG) == pytest.approx(139.5)
 
 
 def test_a_key_a_node_gave_up_may_be_claimed_by_another() -> None:
