@@ -180,12 +180,17 @@ class PingLog:
             return [r for r in self.replies if r[0] >= t]
 
 
+START_S = 10.0  # the longest a ping may take to its first reply before it is used anyway
+
+
 @contextlib.contextmanager
 def pinging(
     mesh: LiveMesh, src: str, dst: str, interval: float = 0.02, lead: float = 0.5
 ) -> Iterator[PingLog]:
     """A ping from ``src`` to ``dst`` running in the background for the ``with`` block,
-    entered ``lead`` seconds after the ping started."""
+    entered ``lead`` seconds after the ping started and once it had a reply (at most
+    ``START_S`` more). A ping that started late on a busy 16-node lab had its first
+    reply after the change it was to time: no gap, an outage of 0."""
     log = PingLog()
     proc = mesh.lab.popen(
         src,
@@ -207,6 +212,9 @@ def pinging(
     reader.start()
     try:
         time.sleep(lead)
+        deadline = time.monotonic() + START_S
+        while not log.replies and time.monotonic() < deadline:
+            time.sleep(interval)
         yield log
     finally:
         proc.terminate()
@@ -276,8 +284,11 @@ def outage_time(
             got = log.after(t0 - 1.0)
             if not got or time.time() - got[-1][0] > 3 * interval + 2.5:
                 continue
-            # The largest gap between consecutive replies around the cut is the outage.
+            # The largest gap between consecutive replies around the cut is the outage
+            # (from the cut itself if no reply came before it: never a false 0).
             sends = [s for s, _ in got]
+            if sends[0] >= t0:
+                sends.insert(0, t0)
             gaps = [(b - a, b) for a, b in itertools.pairwise(sends) if b >= t0]
             if not gaps:
                 continue
