@@ -40,7 +40,8 @@ and stepped series (see docs/estimator.md for the figures). The plain EWMA of ev
 sample is still computed (``mean_ms``) for comparison and compatibility.
 
 **Jitter** means one thing: the standard deviation σ of the RTT samples (West's
-incremental EWMA of squared deviations, with exact warm-up corrections). Chosen over
+incremental EWMA of squared deviations, with exact warm-up corrections, over a longer
+half-life than the RTT's: :data:`DEFAULT_JITTER_HALF_LIFE_S`). Chosen over
 RFC 3550's interarrival jitter (mean |ΔRTT|) because σ is what the topology files, the
 lab's shaper and netem (``distribution normal``) and the simulator are given, so a
 configured link and its measurement agree; because independent delays add variances,
@@ -69,6 +70,11 @@ from meshopt.errors import InputError
 
 TABLE = 1024  # samples after which the warm-up corrections are at their steady values
 DEFAULT_HALF_LIFE_S = 2.0
+# σ's own half-life, longer than the RTT's: a link's spread is a slow property, and a
+# few seconds of a busy host's delays (within 5 % of a long link's RTT, so accepted)
+# lifted a 2 s σ three- to sevenfold, doubled in the cost, while the controller moved
+# routes (docs/estimator.md, "σ's half-life").
+DEFAULT_JITTER_HALF_LIFE_S = 10.0
 RFC3550_PER_SIGMA = 2.0 / math.sqrt(math.pi)  # E|X1 - X2| / σ for independent normals
 MAD_PER_SIGMA = 1.4826  # σ / MAD for normal samples
 
@@ -80,15 +86,16 @@ def alpha_for(half_life_s: float, interval_s: float) -> float:
     return float(1.0 - 0.5 ** (interval_s / half_life_s))
 
 
-def warm_up_tables(a: float) -> tuple[list[float], list[float]]:
-    """How the EWMAs behave after k samples, for k = 0 .. TABLE - 1.
+def warm_up_tables(a: float, av: float | None = None) -> tuple[list[float], list[float]]:
+    """How the EWMAs behave after k samples, for k = 0 .. TABLE - 1 (``a``: the
+    srtt's weight; ``av``: the variance's, ``a`` if None).
 
     ``share[k]``: variance of srtt (started at the first sample, then
     ``srtt += a (x - srtt)``) as a fraction of the samples' variance:
     ``(1-a)^(2(k-1)) + a^2 (1 - (1-a)^(2(k-1))) / (1 - (1-a)^2)``, 1 at k = 1 and
     ``a / (2 - a)`` in steady state.
 
-    ``gain[k]``: expected value of the variance EWMA (``var = (1-a) (var + a dev^2)``,
+    ``gain[k]``: expected value of the variance EWMA (``var = (1-av) (var + av dev^2)``,
     0 at the first sample) as a fraction of the samples' variance. Each deviation is
     measured from the srtt before it, so its expected square is ``1 + share[k-1]``:
     early deviations are larger, which an estimate that only undid the EWMA's start
@@ -98,16 +105,17 @@ def warm_up_tables(a: float) -> tuple[list[float], list[float]]:
     for k in range(TABLE):
         decay = (1.0 - a) ** (2 * max(k - 1, 0))
         share.append(decay + a * a * (1.0 - decay) / (1.0 - (1.0 - a) ** 2))
+    v = a if av is None else av
     gain = [0.0] * TABLE
     for i in range(2, TABLE):
-        gain[i] = (1.0 - a) * (gain[i - 1] + a * (1.0 + share[i - 1]))
+        gain[i] = (1.0 - v) * (gain[i - 1] + v * (1.0 + share[i - 1]))
     return share, gain
 
 
 @functools.lru_cache(maxsize=16)
-def tables(a: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """:func:`warm_up_tables` as tuples, cached per weight."""
-    share, gain = warm_up_tables(a)
+def tables(a: float, av: float | None = None) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """:func:`warm_up_tables` as tuples, cached per pair of weights."""
+    share, gain = warm_up_tables(a, av)
     return tuple(share), tuple(gain)
 
 
@@ -242,12 +250,17 @@ def _burst_state(state: dict[str, object]) -> dict[str, object]:
 class RttEstimator:
     """One link's RTT estimate, σ and noise, fed samples with their arrival times."""
 
-    def __init__(self, alpha: float, config: RobustConfig | None = None) -> None:
-        if not 0 < alpha <= 1:
-            raise InputError(f"EWMA weight must be in (0, 1], not {alpha!r}")
+    def __init__(
+        self, alpha: float, config: RobustConfig | None = None, *, var_alpha: float | None = None
+    ) -> None:
+        """``alpha``: the srtt's EWMA weight; ``var_alpha``: σ's (``alpha`` if None)."""
+        for w in (alpha, alpha if var_alpha is None else var_alpha):
+            if not 0 < w <= 1:
+                raise InputError(f"EWMA weight must be in (0, 1], not {w!r}")
         self.alpha = alpha
+        self.var_alpha = alpha if var_alpha is None else var_alpha
         self.config = config or AGENT
-        self._share, self._gain = tables(alpha)
+        self._share, self._gain = tables(alpha, self.var_alpha)
         self.outliers = 0  # samples rejected since creation
         self.changes = 0  # confirmed changes (restarts at a new level)
         self.reset()
@@ -294,9 +307,9 @@ class RttEstimator:
 
     def _take(self, x: float, dev: float, now: float) -> None:
         """Accept sample ``x``, ``dev`` from the estimate."""
-        a = self.alpha
+        a, av = self.alpha, self.var_alpha
         self._pending.clear()
-        self._var = (1.0 - a) * (self._var + a * dev * dev)
+        self._var = (1.0 - av) * (self._var + av * dev * dev)
         self._srtt = (self._srtt or 0.0) + a * dev
         self._k += 1
         self._accept(x, now)

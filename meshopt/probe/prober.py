@@ -135,7 +135,12 @@ from meshopt.probe.packet import (
     request_bytes,
     stamp,
 )
-from meshopt.probe.stats import DEFAULT_HALF_LIFE_S, PeerWindow, ProbeStats
+from meshopt.probe.stats import (
+    DEFAULT_HALF_LIFE_S,
+    DEFAULT_JITTER_HALF_LIFE_S,
+    PeerWindow,
+    ProbeStats,
+)
 from meshopt.probe.timestamps import TimerError, drain_timestamped, open_udp_socket
 
 log = logging.getLogger("meshopt.probe")
@@ -177,12 +182,14 @@ class ProbeConfig:
     port: int = PROBE_PORT
     padding: int = 0
     half_life_s: float = DEFAULT_HALF_LIFE_S  # of the smoothed RTT
+    jitter_half_life_s: float = DEFAULT_JITTER_HALF_LIFE_S  # of σ (meshopt.estimate)
 
     def __post_init__(self) -> None:
         def bad(message: str) -> InputError:
             return InputError(f"probe config: {message}")
 
-        for name in ("interval_s", "dead_after_s", "timeout_s", "half_life_s"):
+        seconds = ("interval_s", "dead_after_s", "timeout_s", "half_life_s", "jitter_half_life_s")
+        for name in seconds:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
                 raise bad(f"{name} must be a positive number of seconds, got {value!r}")
@@ -445,7 +452,10 @@ class Prober:
         for name, (t, addr) in wanted.items():
             if name not in self._peers:
                 window = PeerWindow(
-                    self.config.window, self.config.half_life_s, interval_s=self.config.interval_s
+                    self.config.window,
+                    self.config.half_life_s,
+                    interval_s=self.config.interval_s,
+                    jitter_half_life_s=self.config.jitter_half_life_s,
                 )
                 # Each peer at its own phase of the interval: probes sent together queue
                 # behind each other (one wireguard-go, one responder) and read high.

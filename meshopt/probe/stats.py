@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from meshopt.estimate import (
     BIRTH_SLACK,
     DEFAULT_HALF_LIFE_S,
+    DEFAULT_JITTER_HALF_LIFE_S,
     TABLE,
     RobustConfig,
     RttEstimator,
@@ -41,6 +42,7 @@ from meshopt.estimate import (
 
 __all__ = [
     "DEFAULT_HALF_LIFE_S",
+    "DEFAULT_JITTER_HALF_LIFE_S",
     "PeerWindow",
     "ProbeStats",
     "RobustConfig",
@@ -83,6 +85,7 @@ class PeerWindow:
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         *,
         interval_s: float = 0.33,
+        jitter_half_life_s: float = DEFAULT_JITTER_HALF_LIFE_S,
         robust: RobustConfig | None = None,
     ) -> None:
         if window < 1:
@@ -91,8 +94,9 @@ class PeerWindow:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.window = window
         self.alpha = alpha_for(half_life_s, interval_s)
-        self._share, self._gain = tables(self.alpha)
-        self.estimator = RttEstimator(self.alpha, robust)
+        var_alpha = alpha_for(jitter_half_life_s, interval_s)
+        self._share, self._gain = tables(self.alpha, var_alpha)
+        self.estimator = RttEstimator(self.alpha, robust, var_alpha=var_alpha)
         self._outcomes: dict[int, float | None] = {}  # seq -> RTT ms, None if lost
         self.sent = 0
         self.received = 0

@@ -107,7 +107,7 @@ from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import RouteEngine, startup_policy
 from meshopt.controller.view import Matrices, link_matrices, warmed_up
 from meshopt.errors import InputError
-from meshopt.estimate import BIRTH_SLACK, WARM_SAMPLES, RobustConfig
+from meshopt.estimate import BIRTH_SLACK, DEFAULT_JITTER_HALF_LIFE_S, WARM_SAMPLES, RobustConfig
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig
@@ -154,6 +154,7 @@ class SimConfig:
     recompute_s: float | None = None
     rtt_half_life_s: float = 2.0
     loss_half_life_s: float = 10.0
+    jitter_half_life_s: float = DEFAULT_JITTER_HALF_LIFE_S
     loss_window: int = 64  # the prober's window (meshopt.probe.stats)
     robust: RobustConfig = field(default_factory=RobustConfig)
     # Agents start boot_s + uniform(0, boot_spread_s) after time 0 (the lab: ~3 s from
@@ -894,6 +895,7 @@ def simulate(
         cfg.rtt_half_life_s,
         cfg.loss_half_life_s,
         max(1, math.ceil(cfg.dead_after_s / interval)),
+        jitter_half_life_s=cfg.jitter_half_life_s,
         robust=cfg.robust,
     )
     est.reset(n)

@@ -14,7 +14,8 @@ of it report the same figures:
   its own burst. The default is
   :data:`~meshopt.estimate.PLAIN` (every sample accepted) until the engine adopts it;
 * ``jitter``: the standard deviation σ of the accepted RTT samples (West's incremental
-  EWMA of squared deviations with the warm-up corrections), the one meaning of jitter
+  EWMA of squared deviations, half-life ``jitter_half_life_s``, with the warm-up
+  corrections), the one meaning of jitter
   (topology files give σ of the one-way delay, so a round trip's is the root sum of
   squares of both directions);
 * ``loss``: an EWMA of lost probes (half-life ``loss_half_life_s``), starting at 0;
@@ -36,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from meshopt.estimate import (
+    DEFAULT_JITTER_HALF_LIFE_S,
     LOSS_CHANGE_Z,
     LOSS_MEMORY_DECAY,
     PLAIN,
@@ -65,9 +67,9 @@ __all__ = [
 _TABLE = TABLE
 
 
-def _warm_up_tables(a: float) -> tuple[FloatArray, FloatArray]:
+def _warm_up_tables(a: float, av: float | None = None) -> tuple[FloatArray, FloatArray]:
     """:func:`meshopt.estimate.warm_up_tables` as arrays."""
-    share, gain = warm_up_tables(a)
+    share, gain = warm_up_tables(a, av)
     return np.array(share, dtype=np.float64), np.array(gain, dtype=np.float64)
 
 
@@ -84,6 +86,7 @@ class LinkEstimator:
     rtt_half_life_s: float = 2.0
     loss_half_life_s: float = 10.0
     dead_after: int = 4
+    jitter_half_life_s: float = DEFAULT_JITTER_HALF_LIFE_S
     # The agent's outlier rule (RobustConfig()) is opt-in here until the engine and its
     # tests expect a change to show on the third probe, not the first (docs/estimator.md).
     robust: RobustConfig = PLAIN
@@ -91,7 +94,8 @@ class LinkEstimator:
     def __post_init__(self) -> None:
         self.a_rtt = alpha_for(self.rtt_half_life_s, self.interval_s)
         self.a_loss = alpha_for(self.loss_half_life_s, self.interval_s)
-        self._share, self._var_gain = _warm_up_tables(self.a_rtt)
+        self.a_var = alpha_for(self.jitter_half_life_s, self.interval_s)
+        self._share, self._var_gain = _warm_up_tables(self.a_rtt, self.a_var)
         self.srtt: FloatArray = np.empty((0, 0))
         self.var: FloatArray = np.empty((0, 0))  # EWMA of squared deviations, uncorrected
         self.loss: FloatArray = np.empty((0, 0))
@@ -174,10 +178,10 @@ class LinkEstimator:
             n = self.srtt.shape[1]
             for flat, sc in zip(oi.tolist(), scale[out].tolist(), strict=True):
                 self._restart(flat // n, flat % n, sc)
-        a = self.a_rtt
+        a, av = self.a_rtt, self.a_var
         ai, d = idx[acc], dev[acc]
         pending_f[ai] = 0
-        var_f[ai] = (1 - a) * (var[acc] + a * d * d)
+        var_f[ai] = (1 - av) * (var[acc] + av * d * d)
         srtt_f[ai] = srtt[acc] + a * d
         samples_f[ai] += 1
         accepted_f[ai] += 1

@@ -191,11 +191,13 @@ def test_warm_up_tables_agree_with_the_simulator() -> None:
     for half_life, interval in ((2.0, 0.33), (0.5, 0.1), (10.0, 1.0), (0.0, 0.33)):
         a = stats.alpha_for(half_life, interval)
         assert a == estimator.alpha_for(half_life, interval)
-        share, gain = stats._warm_up_tables(a)
-        np_share, np_gain = estimator._warm_up_tables(a)
-        assert len(share) == len(np_share) == stats._TABLE
-        for x, y in zip([*share, *gain], [*np_share.tolist(), *np_gain.tolist()], strict=True):
-            assert math.isclose(x, y, rel_tol=1e-13, abs_tol=1e-300), (a, x, y)
+        for av in (None, stats.alpha_for(stats.DEFAULT_JITTER_HALF_LIFE_S, interval)):
+            share, gain = stats._warm_up_tables(a, av)
+            np_share, np_gain = estimator._warm_up_tables(a, av)
+            assert len(share) == len(np_share) == stats._TABLE
+            both = zip([*share, *gain], [*np_share.tolist(), *np_gain.tolist()], strict=True)
+            for x, y in both:
+                assert math.isclose(x, y, rel_tol=1e-13, abs_tol=1e-300), (a, av, x, y)
 
 
 @pytest.mark.parametrize("v6", [False, True])

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import numpy as np
 import pytest
 
 from meshopt.errors import InputError
 from meshopt.estimate import (
+    DEFAULT_JITTER_HALF_LIFE_S,
     PLAIN,
     RFC3550_PER_SIGMA,
     RobustConfig,
@@ -96,6 +98,48 @@ def test_sigma_follows_a_link_that_became_jittery() -> None:
     assert est.srtt_ms == pytest.approx(10.0, abs=1.5)
 
 
+def test_sigma_with_its_own_half_life_is_unbiased_from_the_second_sample() -> None:
+    """The warm-up corrections hold for σ's weight apart from the srtt's: the mean of
+    σ² over many links of N(10, 1) samples is 1 at every sample count."""
+    rng = random.Random(11)
+    av = alpha_for(DEFAULT_JITTER_HALF_LIFE_S, IV)
+    checks = (2, 3, 5, 20, 100)
+    sums = dict.fromkeys(checks, 0.0)
+    trials = 3000
+    for _ in range(trials):
+        est = RttEstimator(A, PLAIN, var_alpha=av)
+        for k in range(1, max(checks) + 1):
+            est.add(10.0 + rng.gauss(0.0, 1.0), k * IV)
+            if k in sums:
+                sums[k] += (est.std() or 0.0) ** 2
+    for k, total in sums.items():
+        assert total / trials == pytest.approx(1.0, rel=0.08), k
+
+
+def test_a_busy_hosts_burst_on_a_long_link_lifts_sigma_half_as_much() -> None:
+    """4 s of a busy host's delays (exponential, 2 ms mean: within 5 % of an 80 ms RTT,
+    so accepted) lift the cost's 2σ term; σ's own 10 s half-life lifts it about half as
+    far as σ on the srtt's 2 s did."""
+
+    def lift(var_alpha: float, seed: int) -> float:
+        rng = random.Random(seed)
+        est = RttEstimator(A, var_alpha=var_alpha)
+        t, most = 0.0, 0.0
+        for i in range(300):
+            x = 80.0 + rng.gauss(0.0, 0.3)
+            if 150 <= i < 162:
+                x += rng.expovariate(1 / 2.0)
+            est.add(x, t)
+            if i >= 150:
+                most = max(most, 2.0 * ((est.std() or 0.0) - 0.3))
+            t += IV
+        return most
+
+    av = alpha_for(DEFAULT_JITTER_HALF_LIFE_S, IV)
+    ratios = [lift(av, seed) / lift(A, seed) for seed in range(1, 8)]
+    assert statistics.median(ratios) < 0.6, ratios
+
+
 def test_a_spike_in_the_warm_up_is_dropped_when_it_ends() -> None:
     est = RttEstimator(A)
     est.add(250.0, 0.0)  # the very first sample
@@ -171,7 +215,9 @@ def test_the_simulator_runs_the_same_estimator() -> None:
     n = 3
     sim = LinkEstimator(IV, robust=cfg, dead_after=10**6)
     sim.reset(n)
-    ref = [[RttEstimator(alpha_for(2.0, IV), cfg) for _ in range(n)] for _ in range(n)]
+    av = alpha_for(DEFAULT_JITTER_HALF_LIFE_S, IV)
+    a = alpha_for(2.0, IV)
+    ref = [[RttEstimator(a, cfg, var_alpha=av) for _ in range(n)] for _ in range(n)]
     for r in range(900):
         x = np.array(
             [
