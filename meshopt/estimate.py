@@ -254,11 +254,11 @@ class RttEstimator:
         self, alpha: float, config: RobustConfig | None = None, *, var_alpha: float | None = None
     ) -> None:
         """``alpha``: the srtt's EWMA weight; ``var_alpha``: σ's (``alpha`` if None)."""
-        for w in (alpha, alpha if var_alpha is None else var_alpha):
-            if not 0 < w <= 1:
-                raise InputError(f"EWMA weight must be in (0, 1], not {w!r}")
         self.alpha = alpha
         self.var_alpha = alpha if var_alpha is None else var_alpha
+        for w in (self.alpha, self.var_alpha):
+            if not 0 < w <= 1:
+                raise InputError(f"EWMA weight must be in (0, 1], not {w!r}")
         self.config = config or AGENT
         self._share, self._gain = tables(alpha, self.var_alpha)
         self.outliers = 0  # samples rejected since creation

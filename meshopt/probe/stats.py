@@ -95,7 +95,6 @@ class PeerWindow:
         self.window = window
         self.alpha = alpha_for(half_life_s, interval_s)
         var_alpha = alpha_for(jitter_half_life_s, interval_s)
-        self._share, self._gain = tables(self.alpha, var_alpha)
         self.estimator = RttEstimator(self.alpha, robust, var_alpha=var_alpha)
         self._outcomes: dict[int, float | None] = {}  # seq -> RTT ms, None if lost
         self.sent = 0
