@@ -6,6 +6,8 @@ sim`` and in the lab, side by side; prints JSON. See meshopt/bench/twin.py.
     .venv/bin/python scripts/bench_twin.py                     # + the lab (root, minutes)
     .venv/bin/python scripts/bench_twin.py --lab-runs 3 --topologies topologies/bench8.yaml
     .venv/bin/python scripts/bench_twin.py --cpu-load 2       # the lab on a busy machine
+    .venv/bin/python scripts/bench_twin.py --lab-runs 3 --save-lab lab.json
+    .venv/bin/python scripts/bench_twin.py --lab-from lab.json  # a new simulator, same lab
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,6 +39,18 @@ def main() -> int:
     ap.add_argument("--jitter-s", type=float, default=60.0, help="length of the jitter period")
     ap.add_argument("--logs", type=Path, help="keep each lab run's logs and readings here")
     ap.add_argument(
+        "--save-lab",
+        type=Path,
+        metavar="FILE",
+        help="write the lab runs here (after each topology), for --lab-from",
+    )
+    ap.add_argument(
+        "--lab-from",
+        type=Path,
+        metavar="FILE",
+        help="judge the simulator against lab runs saved by --save-lab; runs no lab",
+    )
+    ap.add_argument(
         "--cpu-load",
         type=int,
         default=0,
@@ -46,6 +61,22 @@ def main() -> int:
     if not 0 <= args.cpu_load <= MAX_LOAD:
         ap.error(f"--cpu-load {args.cpu_load}: give 0..{MAX_LOAD} busy processes")
     tl = Timeline(jitter_s=args.jitter_s)
+    recorded = None
+    if args.lab_from is not None:
+        if args.sim_only:
+            ap.error("--lab-from and --sim-only: give one")
+        try:
+            saved = json.loads(args.lab_from.read_text())
+            recorded, args.cpu_load = saved["runs"], int(saved["cpu_load"])
+            args.lab_runs = max(len(v) for v in recorded.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            ap.error(f"--lab-from {args.lab_from}: not a file --save-lab wrote ({e})")
+
+    def record(runs: dict[str, list[dict[str, Any]]]) -> None:
+        if args.save_lab is not None:
+            text = json.dumps(json_safe({"cpu_load": args.cpu_load, "runs": runs}))
+            args.save_lab.write_text(text)
+
     out = bench(
         tuple(args.topologies),
         sim_only=args.sim_only,
@@ -55,6 +86,8 @@ def main() -> int:
         progress=lambda m: print(m, file=sys.stderr, flush=True),
         logs=args.logs,
         cpu_load_n=args.cpu_load,
+        recorded=recorded,
+        record=record,
     )
     print(json.dumps(json_safe(out), indent=1))
     if not args.sim_only:

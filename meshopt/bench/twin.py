@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from meshopt.analysis import Plan, plan
 from meshopt.bench.tunnelshare import tunnel_share
 from meshopt.demo import pick_degradation, with_delay
+from meshopt.errors import InputError
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import PolicyConfig
 from meshopt.sim.engine import SimConfig, simulate
@@ -804,23 +805,37 @@ def bench(
     progress: Progress = lambda _: None,
     logs: Path | None = None,
     cpu_load_n: int = 0,
+    recorded: dict[str, list[dict[str, Any]]] | None = None,
+    record: Callable[[dict[str, list[dict[str, Any]]]], None] | None = None,
 ) -> dict[str, Any]:
     """``cpu_load_n`` busy processes run beside each lab run (the shared VM a real mesh
-    runs on); the simulator is told only what the lab measured (boot, installs)."""
+    runs on); the simulator is told only what the lab measured (boot, installs).
+
+    ``recorded``: lab runs per topology from an earlier bench (what ``record`` was
+    given), judged again instead of running the lab: a change to the simulator is then
+    measured against the same lab runs, in seconds."""
     from meshopt.bench.cpuload import cpu_load
 
     tl = timeline or Timeline()
     out: dict[str, Any] = {"timeline": tl.__dict__, "sim_seeds": seeds, "lab_runs": lab_runs}
     out["cpu_load"] = 0 if sim_only else cpu_load_n
     results = []
+    kept: dict[str, list[dict[str, Any]]] = {}
     for k, topology in enumerate(topologies):
         sc = scenario(topology)
         labs: list[dict[str, Any]] = []
-        for r in range(0 if sim_only else lab_runs):
+        if recorded is not None:
+            labs = recorded.get(topology, [])
+            if not labs:
+                raise InputError(f"no recorded lab runs of {topology}")
+        for r in range(0 if sim_only or recorded is not None else lab_runs):
             with cpu_load(cpu_load_n) as busy:
                 if busy:
                     progress(f"{len(busy)} busy processes beside the lab: pids {busy}")
                 labs.append(lab_side(sc, tl, k * 10 + r, progress, logs))
+        kept[topology] = labs
+        if record is not None and labs and recorded is None:
+            record(kept)
         boot = _boot(labs)
         each = _med([x.get("install_each_s") for x in labs])
         tunnel = _tunnel_of(labs)
