@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshopt.analysis import Plan, plan
+from meshopt.bench.probenoise import NoiseFit
+from meshopt.bench.probenoise import fit as fit_noise
 from meshopt.bench.tunnelshare import tunnel_share
 from meshopt.demo import pick_degradation, with_delay
 from meshopt.errors import InputError
@@ -176,6 +178,7 @@ def sim_side(
     boot: tuple[float, float] | None = None,
     install_each_s: float | None = None,
     tunnel: tuple[float, float, float] | None = None,
+    spikes: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The simulated figures per event, medians over ``seeds`` runs (and each run's).
 
@@ -194,6 +197,8 @@ def sim_side(
         extra["install_each_s"] = install_each_s
     if tunnel is not None:
         extra["tunnel_ms"], extra["tunnel_sigma_ms"], extra["tunnel_spread_ms"] = tunnel
+    if spikes is not None:
+        extra["spike_p"], extra["spike_ms"] = spikes
     large = PolicyConfig().rel_margin
     for seed in range(seeds):
         cfg = SimConfig(
@@ -483,7 +488,9 @@ def lab_side(
         reader.join(timeout=30)
         tap.stop()
         spell = (wall0 + first_end - TUNNEL_WINDOW_S, wall0 + first_end)
-        out["tunnel"] = _tunnel(tap.heard(mesh.key_owner(), *spell), sc)
+        steady = tap.heard(mesh.key_owner(), *spell)
+        out["tunnel"] = _tunnel(steady, sc)
+        out["sigma_readings"] = sigma_readings(steady)
         log = reader.log
         large = policy.rel_margin
         out["initial_converge_s"] = _converged(log, best_start, 0.0, first_end, policy, large)
@@ -581,6 +588,23 @@ def _tunnel(heard: list[Heard], sc: Scenario) -> dict[str, Any] | None:
             f"{names[i]}-{names[j]}": x for (i, j), x in sorted(share.per_tunnel.items())
         },
     }
+
+
+def sigma_readings(heard: list[Heard]) -> list[tuple[str, str, float]]:
+    """(node, peer, σ) of every live report: what :func:`meshopt.bench.probenoise.fit`
+    reads the shape of the lab's probe noise from."""
+    return [
+        (h.node, h.peer, h.report.jitter_ms)
+        for h in heard
+        if h.report.alive and h.report.jitter_ms is not None
+    ]
+
+
+def _noise_of(labs: list[dict[str, Any]], sc: Scenario) -> NoiseFit | None:
+    """The lab's probe noise (:func:`~meshopt.bench.probenoise.fit`), every run's
+    steady-spell readings pooled."""
+    pooled = [(a, b, float(x)) for lab in labs for a, b, x in lab.get("sigma_readings") or []]
+    return fit_noise(pooled, sc.topo)
 
 
 def _apply_text(topo: Topology, ev: Event) -> None:
@@ -839,8 +863,15 @@ def bench(
         boot = _boot(labs)
         each = _med([x.get("install_each_s") for x in labs])
         tunnel = _tunnel_of(labs)
+        noise = _noise_of(labs, sc)
+        spikes = None
+        if tunnel is not None and noise is not None:
+            # The fit's normal σ in place of the median excess, and the late probes'
+            # mean out of the tunnels' share (the lab's readings held both).
+            tunnel = (max(tunnel[0] - noise.late_mean_ms, 0.0), noise.sigma_ms, tunnel[2])
+            spikes = (noise.late_p, noise.late_ms)
         started = time.monotonic()
-        sim = sim_side(sc, tl, seeds, boot, each, tunnel)
+        sim = sim_side(sc, tl, seeds, boot, each, tunnel, spikes)
         entry: dict[str, Any] = {
             "topology": topology,
             "nodes": sc.topo.n,
@@ -850,6 +881,7 @@ def bench(
             "sim_boot_from_lab": boot,
             "sim_install_each_from_lab": each,
             "sim_tunnel_from_lab": tunnel,
+            "sim_noise_from_lab": None if noise is None else noise.__dict__,
             "sim": _strip(sim),
         }  # fmt: skip
         progress(f"{topology}: simulated in {entry['sim_wall_s']:.1f} s")

@@ -15,7 +15,9 @@ from meshopt.bench.twin import (
     Timeline,
     _converged,
     _lab_medians,
+    _noise_of,
     _time_row,
+    bench,
     compare,
     exact_ties,
     heard_rows,
@@ -26,9 +28,11 @@ from meshopt.bench.twin import (
     scenario,
     seed_band,
     self_agreement,
+    sigma_readings,
     sim_side,
     table,
 )
+from meshopt.errors import InputError
 from meshopt.lab.agents import agent_installs, agent_stalls
 
 SHORT = Timeline(degrade_at=20.0, fail_at=30.0, restore_after=10.0, jitter_at=45.0, jitter_s=15.0)
@@ -307,3 +311,27 @@ def test_the_labs_window_leaves_out_the_stragglers_from_before_unless_broken() -
     down = topo.copy()
     down.tunnels[0, 2] = down.tunnels[2, 0] = False  # the event cut a-c: a->c is broken
     assert _converged(log, plan(down, symmetric=True), 10.0, 20.0, pol, 0.05, best) is None
+
+
+def test_the_labs_probe_noise_is_fitted_from_every_runs_steady_readings() -> None:
+    from meshopt.bus.messages import PeerReport
+    from meshopt.lab.tap import Heard
+
+    def heard(alive: bool, jitter: float | None) -> Heard:
+        rep = PeerReport(public_key="k", ifname="wg0", alive=alive, rtt_ms=8.2,
+                         jitter_ms=jitter, samples=60)  # fmt: skip
+        return Heard(at=0.0, node="lon", peer="par", report=rep)
+
+    got = sigma_readings([heard(True, 0.31), heard(False, 0.5), heard(True, None)])
+    assert got == [("lon", "par", 0.31)]
+    sc = scenario("topologies/demo.yaml")
+    assert _noise_of([{"sigma_readings": got}], sc) is None  # too few to fit
+    runs = [{"sigma_readings": got * 15}, {"sigma_readings": got * 15}, {}]
+    fit = _noise_of(runs, sc)
+    assert fit is not None and fit.readings == 30
+    assert fit.lab[2] == pytest.approx(0.31)
+
+
+def test_judging_recorded_lab_runs_needs_runs_of_each_topology() -> None:
+    with pytest.raises(InputError, match="no recorded lab runs"):
+        bench(("topologies/demo.yaml",), recorded={"topologies/bench8.yaml": [{}]})

@@ -13,7 +13,14 @@ from meshopt.graph import topology_costs
 from meshopt.policy import PolicyConfig
 from meshopt.probe.budget import BudgetConfig
 from meshopt.routing import compute_routes
-from meshopt.sim.engine import SimConfig, late_deaths, revival_times, revive_spread, simulate
+from meshopt.sim.engine import (
+    LateProbes,
+    SimConfig,
+    late_deaths,
+    revival_times,
+    revive_spread,
+    simulate,
+)
 from meshopt.sim.estimator import LinkEstimator
 from meshopt.sim.events import Event, parse_event
 from meshopt.sim.report import EventResult, SimReport
@@ -721,3 +728,23 @@ def test_a_return_is_known_when_its_answer_arrives() -> None:
     assert t[0, 3] == pytest.approx(10.02 + 0.04)  # a heard d at 10.02
     assert t[1, 3] == pytest.approx(10.4) and t[2, 3] == pytest.approx(10.08)
     assert np.isinf(t[~dead]).all()
+
+
+def test_late_probes_are_one_sided_with_the_share_and_mean_asked() -> None:
+    assert LateProbes.of(SimConfig()) is None
+    assert LateProbes.of(SimConfig(spike_p=0.1)) is None  # late by nothing: none
+    spikes = LateProbes.of(SimConfig(spike_p=0.05, spike_ms=1.5, seed=3))
+    assert spikes is not None
+    late = spikes.late(200_000)
+    assert (late >= 0.0).all()
+    assert 0.045 < float(np.mean(late > 0.0)) < 0.055
+    assert 1.4 < float(np.mean(late[late > 0.0])) < 1.6
+
+
+def test_late_probes_of_no_size_leave_a_run_as_it_was() -> None:
+    """They draw on their own stream, and only when they can be late at all."""
+    topo = mesh("abc", {"a-c": 20.0, "a-b": 9.5, "b-c": 9.5}, default_ms=20.0)
+    plain = run(topo, "at=5s link=a-b delay=30ms", duration_s=10.0, keep_routes=True, seed=2)
+    asked = run(topo, "at=5s link=a-b delay=30ms", duration_s=10.0, keep_routes=True, seed=2,
+                spike_p=0.3)  # fmt: skip
+    assert asked.events == plain.events
