@@ -31,8 +31,8 @@ QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 # The candidates: the normal σ each tunnel adds (ms), how often a probe is late, and by
 # how much on average (ms). p = 0 is the plain normal model.
 SIGMAS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6)
-LATE_P = (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12)
-LATE_MS = (0.5, 0.75, 1.0, 1.5, 2.0)
+LATE_P = (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2)
+LATE_MS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
 FIT_LINKS = 400  # simulated links per candidate
 SPELL_S = (20.0, 40.0)  # the readings taken (s after the links' first probe)
 READ_EVERY_S = 5.0  # the agents' telemetry
