@@ -250,6 +250,20 @@ class LiveMesh:
             path.append(nxt)
         return path
 
+    @classmethod
+    def direct_but(
+        cls, hops: Mapping[str, Mapping[str, str]], relayed: Mapping[tuple[str, str], list[str]]
+    ) -> bool:
+        """Every pair of the snapshot on its own tunnel, but the ``relayed`` pairs, each on
+        its given path: what a test's small mesh looks like on its optimum."""
+        nodes = sorted(hops)
+        return all(
+            cls.path_from(hops, s, d) == relayed.get((s, d), [s, d])
+            for s in nodes
+            for d in nodes
+            if s != d
+        )
+
     def path(self, src: str, dst: str) -> list[str]:
         """As the nodes forward now, following each hop's own next hop."""
         return self.path_from(self.next_hops(), src, dst)
