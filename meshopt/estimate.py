@@ -157,7 +157,7 @@ class RobustConfig:
     warmup: int = 8  # accepted samples before anything is rejected
     agree_rel: float = 0.1  # confirming groups agree within this share of their offset
     # From this many warm-up samples on, check for a far-off one at every sample (0: only
-    # at the end of the warm-up, as the simulator's vectorised rule does; see AGENT).
+    # at the end of the warm-up; see AGENT).
     early_reseed: int = 0
     warm_bursts: bool = True  # a warm-up burst counts once (module doc); off: PLAIN
 
@@ -178,7 +178,7 @@ PLAIN = RobustConfig(warmup=2**62, warm_bursts=False)
 # the third sample on. The first probe over a fresh tunnel waits for WireGuard's
 # handshake; left in until the eighth sample it lifts the estimate and its noise by
 # tens of ms (a quarter of bench8's links at their first report), and the controller
-# routes on three samples. The simulator's vectorised rule checks at the end only.
+# routes on three samples. The simulator runs the same rule (SimConfig.robust).
 AGENT = RobustConfig(early_reseed=3)
 
 

@@ -32,7 +32,7 @@ QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9, 0.99)
 # how much on average (ms). p = 0 is the plain normal model.
 SIGMAS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6)
 LATE_P = (0.0, 0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2)
-LATE_MS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)
+LATE_MS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FIT_LINKS = 400  # simulated links per candidate
 SPELL_S = (20.0, 40.0)  # the readings taken (s after the links' first probe)
 READ_EVERY_S = 5.0  # the agents' telemetry
@@ -55,7 +55,7 @@ class NoiseFit:
 
 
 def simulated_readings(
-    base_sigma: Sequence[float],
+    base: Sequence[tuple[float, float]],
     sigma_ms: float,
     late_p: float,
     late_ms: float,
@@ -63,17 +63,20 @@ def simulated_readings(
     links: int = FIT_LINKS,
     seed: int = 0,
 ) -> np.ndarray:
-    """σ readings of links whose samples are normal (the link's own σ from
-    ``base_sigma``, cycled, with ``sigma_ms`` added in quadrature) plus late probes,
+    """σ readings of links whose samples are normal around the link's RTT (``base``:
+    (RTT, σ) per link, cycled; ``sigma_ms`` added to σ in quadrature) plus late probes,
     through the agents' estimator (the simulator's vectorised copy of it), every
-    READ_EVERY_S in SPELL_S, each link on its own phase."""
+    READ_EVERY_S in SPELL_S, each link on its own phase. The RTT matters: the outlier
+    rule keeps a late probe within 5 % of a long link's RTT and drops it on a short
+    one (beyond 2 ms on an 8 ms link), so long links read a larger σ (demo's lab: 0.32
+    ms at 8 ms, 0.43 ms at 80 ms)."""
     side = math.ceil(math.sqrt(links))
     rng = np.random.default_rng(seed)
-    base = np.resize(np.asarray(base_sigma, dtype=float), (side, side))
-    sd = np.sqrt(base**2 + sigma_ms**2)
+    pairs = np.asarray(base, dtype=float).reshape(-1, 2)
+    level = np.resize(pairs[:, 0], (side, side))
+    sd = np.sqrt(np.resize(pairs[:, 1], (side, side)) ** 2 + sigma_ms**2)
     est = LinkEstimator(interval_s, robust=RobustConfig())
     est.reset(side)
-    level = 50.0  # ms: long enough that a late probe of a few ms is kept, as in the lab
     phase = rng.uniform(0.0, READ_EVERY_S, (side, side))
     out: list[np.ndarray] = []
     no_loss = np.zeros((side, side), dtype=bool)
@@ -98,12 +101,12 @@ def _loss(a: np.ndarray, b: np.ndarray) -> float:
 
 def fit(readings: Iterable[tuple[str, str, float]], topo: Topology) -> NoiseFit | None:
     """From (node, peer, σ reported) readings of a steady spell: the model whose
-    simulated readings' QUANTILES are nearest the lab's (in log space). None with
-    fewer than 20 readings of known links."""
+    simulated readings (each reading's link at its own RTT and σ) have QUANTILES
+    nearest the lab's (in log space). None with fewer than 20 readings of known links."""
     names = set(topo.names)
     lab: list[float] = []
-    base: list[float] = []
-    jit = topo.jitter_ms
+    base: list[tuple[float, float]] = []
+    jit, rtt = topo.jitter_ms, topo.rtt_ms()
     for node, peer, sigma in readings:
         if node not in names or peer not in names or node == peer:
             continue
@@ -111,7 +114,7 @@ def fit(readings: Iterable[tuple[str, str, float]], topo: Topology) -> NoiseFit 
             continue
         i, j = topo.index(node), topo.index(peer)
         lab.append(sigma)
-        base.append(math.hypot(float(jit[i, j]), float(jit[j, i])))
+        base.append((float(rtt[i, j]), math.hypot(float(jit[i, j]), float(jit[j, i]))))
     if len(lab) < 20:
         return None
     q = np.asarray(QUANTILES)

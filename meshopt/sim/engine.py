@@ -108,7 +108,13 @@ from meshopt.controller.config import ControllerConfig
 from meshopt.controller.engine import RouteEngine, startup_policy
 from meshopt.controller.view import Matrices, link_matrices, warmed_up
 from meshopt.errors import InputError
-from meshopt.estimate import BIRTH_SLACK, DEFAULT_JITTER_HALF_LIFE_S, WARM_SAMPLES, RobustConfig
+from meshopt.estimate import (
+    AGENT,
+    BIRTH_SLACK,
+    DEFAULT_JITTER_HALF_LIFE_S,
+    WARM_SAMPLES,
+    RobustConfig,
+)
 from meshopt.graph import topology_costs
 from meshopt.metric import FloatArray, Metric
 from meshopt.policy import Installed, PolicyConfig
@@ -157,7 +163,7 @@ class SimConfig:
     loss_half_life_s: float = 10.0
     jitter_half_life_s: float = DEFAULT_JITTER_HALF_LIFE_S
     loss_window: int = 64  # the prober's window (meshopt.probe.stats)
-    robust: RobustConfig = field(default_factory=RobustConfig)
+    robust: RobustConfig = AGENT  # the agent's rule, early warm-up check included
     # Agents start boot_s + uniform(0, boot_spread_s) after time 0 (the lab: ~3 s from
     # starting the agents to their first telemetry, whose first check is 1 s after start).
     boot_s: float = 2.0

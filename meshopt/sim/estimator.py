@@ -9,7 +9,9 @@ of it report the same figures:
   agent's :class:`~meshopt.estimate.RobustConfig`) it is the agent's robust EWMA: a
   sample further than ``k`` scales from it is rejected unless it is part of a
   confirmed change (:func:`~meshopt.estimate.confirmed_change`), and the warm-up is
-  checked for spikes (:func:`~meshopt.estimate.warm_up_restart`). A simulated round
+  checked for spikes (:func:`~meshopt.estimate.warm_up_restart`: at its end, and with
+  ``early_reseed`` from that many samples on, a far-off one dropped for good, as the
+  agent's :data:`~meshopt.estimate.AGENT` does). A simulated round
   has one sample per link, so each outlier is its own group, and each warm-up sample
   its own burst. The default is
   :data:`~meshopt.estimate.PLAIN` (every sample accepted) until the engine adopts it;
@@ -125,6 +127,9 @@ class LinkEstimator:
         self.outliers = np.zeros((n, n), dtype=np.int64)
         # The warm-up's samples, only where they are checked (estimate.warm_up_restart).
         self.warm = np.zeros((n, n, self.robust.warmup if self._checks_warm_up else 0))
+        # How many of them are kept: an early re-seed drops the far-off ones, and the
+        # later checks judge the others (RttEstimator._reseed).
+        self.warm_n = np.zeros((n, n), dtype=np.int64)
 
     def revive(self, links: BoolArray) -> None:
         """Links that came back after being dead keep their estimate (the prober's):
@@ -185,22 +190,38 @@ class LinkEstimator:
         srtt_f[ai] = srtt[acc] + a * d
         samples_f[ai] += 1
         accepted_f[ai] += 1
-        if self._checks_warm_up:  # the accepted-th sample goes to slot accepted - 1
-            now_accepted = accepted_f[idx]
-            warm = self.warm.reshape(self.srtt.size, -1)
-            took = (acc | fresh) & (now_accepted <= cfg.warmup)
-            if took.any():
-                warm[idx[took], now_accepted[took] - 1] = sample[took]
-            ready = (acc | fresh) & (now_accepted == cfg.warmup)
-            if ready.any():
-                ri = idx[ready]
-                maybe = self._maybe_far(warm[ri, :])
-                n = self.srtt.shape[1]
-                for flat in ri[maybe].tolist():
-                    self._reseed(flat // n, flat % n)
+        if self._checks_warm_up:
+            self._check_warm_up(idx, acc, fresh, sample)
         loss_f = _flat(self.loss)
         loss_f[idx] += self.a_loss * (lost.astype(np.float64) - loss_f[idx])
         _flat(self.misses)[idx] = np.where(lost, misses + 1, 0)
+
+    def _check_warm_up(
+        self, idx: npt.NDArray[np.intp], acc: BoolArray, fresh: BoolArray, sample: FloatArray
+    ) -> None:
+        """Keep the warm-up's samples and check them for a far-off one (the agent's
+        RttEstimator._accept): at the end of the warm-up, and from ``early_reseed``
+        samples on."""
+        cfg = self.robust
+        now_accepted = _flat(self.accepted)[idx]
+        warm = self.warm.reshape(self.srtt.size, -1)
+        warm_n = _flat(self.warm_n)
+        warm_n[idx[fresh]] = 0  # a link that (re)starts starts its warm-up afresh
+        took = (acc | fresh) & (now_accepted <= cfg.warmup)
+        if not took.any():
+            return
+        ti = idx[took]
+        warm[ti, warm_n[ti]] = sample[took]
+        warm_n[ti] += 1
+        final = now_accepted[took] == cfg.warmup
+        early = ~final & (cfg.early_reseed > 0) & (warm_n[ti] >= cfg.early_reseed)
+        check = ti[final | early]
+        if check.size:
+            maybe = self._maybe_far(warm[check, :], warm_n[check])
+            n = self.srtt.shape[1]
+            for flat in check[maybe].tolist():
+                self._reseed(flat // n, flat % n)
+        warm_n[ti[final]] = 0  # the warm-up is over
 
     def _restart(self, i: int, j: int, scale: float) -> None:
         """Link (i, j)'s outliers so far, if they are a real change (estimate.py)."""
@@ -217,24 +238,31 @@ class LinkEstimator:
         self.pending[i, j] = 0
         self.stepped.append((i, j))
 
-    def _maybe_far(self, values: FloatArray) -> BoolArray:
-        """Rows of warm-up samples in which :func:`~meshopt.estimate.warm_up_restart` may
-        find a far-off sample (its test, vectorised, with a hair of slack for rounding):
-        the others certainly have none, so the exact rule runs only on these."""
+    def _maybe_far(self, values: FloatArray, count: npt.NDArray[np.int64]) -> BoolArray:
+        """Rows of warm-up samples (the first ``count`` of each) in which
+        :func:`~meshopt.estimate.warm_up_restart` may find a far-off sample (its test,
+        vectorised, with a hair of slack for rounding): the others certainly have none,
+        so the exact rule runs only on these."""
         cfg = self.robust
-        level = np.median(values, axis=1)
-        sigma = 1.4826 * np.median(np.abs(values - level[:, None]), axis=1)
+        kept = np.arange(values.shape[1])[None, :] < count[:, None]
+        values = np.where(kept, values, np.nan)
+        level = np.nanmedian(values, axis=1)
+        sigma = 1.4826 * np.nanmedian(np.abs(values - level[:, None]), axis=1)
         scale = np.maximum(np.maximum(sigma, cfg.min_scale_ms), cfg.min_scale_rel * level)
-        far = np.abs(values - level[:, None]) > 2.0 * cfg.k * scale[:, None] * (1 - 1e-9)
+        with np.errstate(invalid="ignore"):
+            far = np.abs(values - level[:, None]) > 2.0 * cfg.k * scale[:, None] * (1 - 1e-9)
         return np.asarray(far.any(axis=1))
 
     def _reseed(self, i: int, j: int) -> None:
-        """The end of link (i, j)'s warm-up: restart if a sample was far off."""
-        values = self.warm[i, j, :].tolist()
+        """Link (i, j)'s warm-up so far: restart if a sample was far off, and keep only
+        the others for the later checks."""
+        values = self.warm[i, j, : self.warm_n[i, j]].tolist()
         restart = warm_up_restart(values, self.robust)
         if restart is None:
             return
         level, kept = restart
+        self.warm[i, j, : len(kept)] = kept
+        self.warm_n[i, j] = len(kept)
         sigma = mad_sigma(kept)
         self.srtt[i, j] = level
         self.samples[i, j] = len(kept)

@@ -27,7 +27,7 @@ def log_error(a: tuple[float, ...], b: tuple[float, ...]) -> float:
 
 
 def test_a_tail_of_late_probes_is_found_and_fits_better_than_normal_noise() -> None:
-    base = [math.hypot(0.2, 0.2)]
+    base = [(40.0, math.hypot(0.2, 0.2))]
     lab = simulated_readings(base, 0.1, 0.05, 1.5, seed=7)
     got = fit(readings(lab), topo())
     assert got is not None and got.readings == lab.size
@@ -40,7 +40,7 @@ def test_a_tail_of_late_probes_is_found_and_fits_better_than_normal_noise() -> N
 
 
 def test_normal_noise_is_found_normal() -> None:
-    lab = simulated_readings([math.hypot(0.2, 0.2)], 0.2, 0.0, 0.0, seed=3)
+    lab = simulated_readings([(40.0, math.hypot(0.2, 0.2))], 0.2, 0.0, 0.0, seed=3)
     got = fit(readings(lab), topo())
     assert got is not None
     assert got.late_mean_ms <= 0.02
@@ -54,3 +54,12 @@ def test_too_few_readings_unknown_nodes_and_non_numbers_give_none() -> None:
     bad = [("a", "zz", 0.3), ("a", "a", 0.3), ("a", "b", math.nan), ("b", "a", 0.0)] * 10
     assert fit(bad, topo()) is None
     assert fit([("a", "b", 0.3)] * 19, topo()) is None
+
+
+def test_late_probes_lift_a_long_links_sigma_more_than_a_short_ones() -> None:
+    """The outlier rule drops a 3 ms late probe on an 8 ms link, keeps it on 80 ms."""
+    sigma = math.hypot(0.2, 0.2)
+    short = simulated_readings([(8.0, sigma)], 0.0, 0.05, 1.5, seed=1)
+    long = simulated_readings([(80.0, sigma)], 0.0, 0.05, 1.5, seed=1)
+    assert np.median(long) > 1.2 * np.median(short)
+    assert np.quantile(long, 0.9) > 1.2 * np.quantile(short, 0.9)
