@@ -96,6 +96,24 @@ def parse_loss(value: object, what: str = "loss") -> float:
     return frac
 
 
+def parse_late(value: object, what: str = "late probes") -> tuple[float, float]:
+    """A busy host's late probes: (share, mean delay ms) from '3%/1.5ms'; 'off' or '0'
+    for none."""
+    text = str(value).strip().lower() if not isinstance(value, bool) else "?"
+    if text in ("off", "0", "none"):
+        return (0.0, 0.0)
+    share, sep, delay = text.partition("/")
+    if not sep:
+        raise InputError(
+            f"bad {what} {value!r}: give the share of probes late and their mean delay,"
+            " like '3%/1.5ms', or 'off'"
+        )
+    p, ms = parse_loss(share.strip(), what), parse_time_ms(delay.strip(), what)
+    if ms <= 0.0 and p > 0.0:
+        raise InputError(f"bad {what} {value!r}: the mean delay must be > 0")
+    return (p, ms)
+
+
 MAX_SPIKE_N = 1_000_000
 
 

@@ -15,7 +15,7 @@ from meshopt.cli.common import (
     topology_argument,
 )
 from meshopt.errors import InputError
-from meshopt.units import parse_duration_s, parse_time_ms
+from meshopt.units import parse_duration_s, parse_late, parse_time_ms
 
 
 @click.command("sim")
@@ -67,6 +67,14 @@ from meshopt.units import parse_duration_s, parse_time_ms
     show_default=True,
     help="How far tunnels differ (σ): each draws its --tunnel share from it.",
 )
+@click.option(
+    "--late-probes",
+    default="off",
+    show_default=True,
+    metavar="SHARE/DELAY",
+    help="A busy host's late probes, e.g. 3%/1.5ms: that share of probes late by an"
+    " exponential delay of that mean (the twin fits it to the lab's σ readings).",
+)
 @routing_options
 @json_option
 def sim_cmd(
@@ -82,6 +90,7 @@ def sim_cmd(
     tunnel: str,
     tunnel_jitter: str,
     tunnel_spread: str,
+    late_probes: str,
     symmetric: bool,
     relay_cost: str | None,
     as_json: bool,
@@ -98,6 +107,7 @@ def sim_cmd(
     topo = open_topology(topology, seed=seed)
     parsed = resolve_event_links(parsed, topo.names)
     policy = PolicyConfig(0.0, 0.0, 0.0, 0.0) if no_policy else PolicyConfig()
+    late_p, late_ms = parse_late(late_probes, "--late-probes")
     cfg = SimConfig(
         duration_s=parse_duration_s(duration, "--duration"),
         seed=seed,
@@ -110,6 +120,8 @@ def sim_cmd(
         tunnel_ms=parse_time_ms(tunnel, "--tunnel"),
         tunnel_sigma_ms=parse_time_ms(tunnel_jitter, "--tunnel-jitter"),
         tunnel_spread_ms=parse_time_ms(tunnel_spread, "--tunnel-spread"),
+        spike_p=late_p,
+        spike_ms=late_ms,
     )
     if no_budget:
         cfg = replace(cfg, budget=None)

@@ -9,7 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshopt.errors import InputError
-from meshopt.units import format_ms, parse_duration_s, parse_loss, parse_rate_mbit, parse_time_ms
+from meshopt.units import (
+    format_ms,
+    parse_duration_s,
+    parse_late,
+    parse_loss,
+    parse_rate_mbit,
+    parse_time_ms,
+)
 
 
 @pytest.mark.parametrize(
@@ -112,3 +119,13 @@ def test_parsers_raise_only_input_error(text: str) -> None:
             assert value == math.inf  # documented: no rate limit (hypothesis found it)
             continue
         assert math.isfinite(value) and value >= 0
+
+
+def test_late_probes_are_a_share_and_a_mean_delay() -> None:
+    assert parse_late("3%/1.5ms") == pytest.approx((0.03, 1.5))
+    assert parse_late(" 5% / 2ms ") == pytest.approx((0.05, 2.0))
+    assert parse_late("off") == parse_late("0") == (0.0, 0.0)
+    assert parse_late("0%/0ms") == (0.0, 0.0)
+    for bad in ("3%", "x/1ms", "3%/soon", "3%/-1ms", "101%/1ms", "3%/0ms", True):
+        with pytest.raises(InputError):
+            parse_late(bad)
