@@ -178,7 +178,7 @@ def sim_side(
     boot: tuple[float, float] | None = None,
     install_each_s: float | None = None,
     tunnel: tuple[float, float, float] | None = None,
-    spikes: tuple[float, float] | None = None,
+    late: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The simulated figures per event, medians over ``seeds`` runs (and each run's).
 
@@ -197,8 +197,8 @@ def sim_side(
         extra["install_each_s"] = install_each_s
     if tunnel is not None:
         extra["tunnel_ms"], extra["tunnel_sigma_ms"], extra["tunnel_spread_ms"] = tunnel
-    if spikes is not None:
-        extra["spike_p"], extra["spike_ms"] = spikes
+    if late is not None:
+        extra["late_p"], extra["late_ms"] = late
     large = PolicyConfig().rel_margin
     for seed in range(seeds):
         cfg = SimConfig(
@@ -864,14 +864,14 @@ def bench(
         each = _med([x.get("install_each_s") for x in labs])
         tunnel = _tunnel_of(labs)
         noise = _noise_of(labs, sc)
-        spikes = None
+        late = None
         if tunnel is not None and noise is not None:
             # The fit's normal σ in place of the median excess, and the late probes'
             # mean out of the tunnels' share (the lab's readings held both).
             tunnel = (max(tunnel[0] - noise.late_mean_ms, 0.0), noise.sigma_ms, tunnel[2])
-            spikes = (noise.late_p, noise.late_ms)
+            late = (noise.late_p, noise.late_ms)
         started = time.monotonic()
-        sim = sim_side(sc, tl, seeds, boot, each, tunnel, spikes)
+        sim = sim_side(sc, tl, seeds, boot, each, tunnel, late)
         entry: dict[str, Any] = {
             "topology": topology,
             "nodes": sc.topo.n,

@@ -120,8 +120,8 @@ def sim_cmd(
         tunnel_ms=parse_time_ms(tunnel, "--tunnel"),
         tunnel_sigma_ms=parse_time_ms(tunnel_jitter, "--tunnel-jitter"),
         tunnel_spread_ms=parse_time_ms(tunnel_spread, "--tunnel-spread"),
-        spike_p=late_p,
-        spike_ms=late_ms,
+        late_p=late_p,
+        late_ms=late_ms,
     )
     if no_budget:
         cfg = replace(cfg, budget=None)

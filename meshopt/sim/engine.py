@@ -71,7 +71,7 @@ checks its telemetry every ``WARM_CHECK_S`` (:func:`meshopt.agent.telemetry.chec
 A probe crosses the underlay's delay plus ``tunnel_ms`` (and ``tunnel_sigma_ms`` of
 spread) per tunnel: WireGuard's own work, ~0.3-0.5 ms per wireguard-go tunnel in the lab
 at the agents' rate (:mod:`meshopt.bench.tunnelshare`), each tunnel's own draw with
-``tunnel_spread_ms``, and a busy host's late probes (``spike_p``, ``spike_ms``:
+``tunnel_spread_ms``, and a busy host's late probes (``late_p``, ``late_ms``:
 :class:`LateProbes`, fitted to the lab's σ readings by :mod:`meshopt.bench.probenoise`).
 Routes are scored on the underlay's figures.
 
@@ -184,13 +184,13 @@ class SimConfig:
     # from N(tunnel_ms, tunnel_spread_ms), at least 0, on its own random stream. The
     # lab's wireguard-go tunnels differ by ~0.1 ms, which decides paths that close.
     tunnel_spread_ms: float = 0.0
-    # A busy host's delays: each probe, with probability ``spike_p``, is late by an
-    # exponential delay of mean ``spike_ms`` (one-sided, a millisecond or so: a process
+    # A busy host's delays: each probe, with probability ``late_p``, is late by an
+    # exponential delay of mean ``late_ms`` (one-sided, a millisecond or so: a process
     # woken late). The lab's σ readings have that tail (demo, quiet: median 0.32 ms,
     # 99th percentile 0.62 ms, where normal noise of the same median gives 0.39); it
     # moves σ's estimate, and so the price of two paths whose gain is near a margin.
-    spike_p: float = 0.0
-    spike_ms: float = 0.0
+    late_p: float = 0.0
+    late_ms: float = 0.0
     keep_routes: bool = False  # report the next hops in use at the end of each interval
     # Converged: None, the policy would not move the pair even with settled estimates
     # (its margins and noise test); a share, the pair's cost is within it of the
@@ -230,9 +230,9 @@ class LateProbes:
 
     @classmethod
     def of(cls, cfg: SimConfig) -> LateProbes | None:
-        if cfg.spike_p <= 0.0 or cfg.spike_ms <= 0.0:
+        if cfg.late_p <= 0.0 or cfg.late_ms <= 0.0:
             return None
-        return cls(cfg.spike_p, cfg.spike_ms, np.random.default_rng([cfg.seed, 4]))
+        return cls(cfg.late_p, cfg.late_ms, np.random.default_rng([cfg.seed, 4]))
 
     def late(self, shape: int | tuple[int, int]) -> FloatArray:
         hit = self.rng.random(shape) < self.p
@@ -968,7 +968,7 @@ def simulate(
     to_install: list[tuple[float, Installed, _Backups | None, IntArray | None]] = []
     decided = installed.next_hop  # the last decision's next hops (what agents will have)
     install_rng = np.random.default_rng([cfg.seed, 2])  # its own stream: others unchanged
-    spikes = LateProbes.of(cfg)
+    late_probes = LateProbes.of(cfg)
     changes = np.zeros((n, n), dtype=np.int64)
     decisions = 0
     first_seen: float | None = None
@@ -1034,8 +1034,8 @@ def simulate(
             # jitter is the standard deviation of the delay (as in topology files and the
             # lab's shaper): normal noise around the configured RTT, never below zero.
             noise = rng.standard_normal((n, n)) * truth.probe_sigma
-            if spikes is not None:
-                noise += spikes.late((n, n))
+            if late_probes is not None:
+                noise += late_probes.late((n, n))
             draw_lost = functools.partial(_lost, rng, truth, up)
             lost = draw_lost()
             sample = np.maximum(truth.probe_rtt + noise, 0.0)
@@ -1099,8 +1099,8 @@ def simulate(
                 if ri.size:
                     lost2 = _lost(rng, truth, up, ri)
                     noise2 = rng.standard_normal(ri.size) * truth.probe_sigma.ravel()[ri]
-                    if spikes is not None:
-                        noise2 += spikes.late(ri.size)
+                    if late_probes is not None:
+                        noise2 += late_probes.late(ri.size)
                     sample2 = np.maximum(truth.probe_rtt.ravel()[ri] + noise2, 0.0)
                     known = sent_at + after + sample2 / 1000.0
                     inflight.add_links(ri, known, sample2, lost2)

@@ -732,10 +732,10 @@ def test_a_return_is_known_when_its_answer_arrives() -> None:
 
 def test_late_probes_are_one_sided_with_the_share_and_mean_asked() -> None:
     assert LateProbes.of(SimConfig()) is None
-    assert LateProbes.of(SimConfig(spike_p=0.1)) is None  # late by nothing: none
-    spikes = LateProbes.of(SimConfig(spike_p=0.05, spike_ms=1.5, seed=3))
-    assert spikes is not None
-    late = spikes.late(200_000)
+    assert LateProbes.of(SimConfig(late_p=0.1)) is None  # late by nothing: none
+    probes = LateProbes.of(SimConfig(late_p=0.05, late_ms=1.5, seed=3))
+    assert probes is not None
+    late = probes.late(200_000)
     assert (late >= 0.0).all()
     assert 0.045 < float(np.mean(late > 0.0)) < 0.055
     assert 1.4 < float(np.mean(late[late > 0.0])) < 1.6
@@ -746,5 +746,5 @@ def test_late_probes_of_no_size_leave_a_run_as_it_was() -> None:
     topo = mesh("abc", {"a-c": 20.0, "a-b": 9.5, "b-c": 9.5}, default_ms=20.0)
     plain = run(topo, "at=5s link=a-b delay=30ms", duration_s=10.0, keep_routes=True, seed=2)
     asked = run(topo, "at=5s link=a-b delay=30ms", duration_s=10.0, keep_routes=True, seed=2,
-                spike_p=0.3)  # fmt: skip
+                late_p=0.3)  # fmt: skip
     assert asked.events == plain.events
