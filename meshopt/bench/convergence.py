@@ -63,6 +63,7 @@ TOPOLOGY = packaged("bench8.yaml")  # shipped in the package: found when install
 
 @dataclass
 class RunResult:
+    lab_seed: int = 1  # the emulator's
     # Every pair within the policy's large margins (3 ms or 10 %): the first goal.
     large_margins_s: float | None = None
     converged_s: float | None = None  # stricter, as reported before: within 3 ms or 5 %
@@ -235,8 +236,10 @@ def one_run(
     layout: Literal["single", "per-peer"] = "single",
     logs: Path | None = None,
 ) -> RunResult:
-    res = RunResult()
-    lab = Lab.up(topology, name=f"bench{index}", layout=layout)
+    res = RunResult(lab_seed=index + 1)
+    # Each run its own emulator seed: runs that repeat one draw of every link's loss and
+    # jitter are not samples of it.
+    lab = Lab.up(topology, name=f"bench{index}", layout=layout, seed=res.lab_seed)
     mesh = LiveMesh(lab)
     try:
         timing = lab.emulator.stats()

@@ -398,10 +398,17 @@ def _at(
 
 
 def lab_side(
-    sc: Scenario, tl: Timeline, index: int, progress: Progress, keep: Path | None = None
+    sc: Scenario,
+    tl: Timeline,
+    index: int,
+    progress: Progress,
+    keep: Path | None = None,
+    seed: int = 1,
 ) -> dict[str, Any]:
     """One lab run of the scenario's timeline (root; minutes). ``keep``: keep the lab's
-    logs and every next-hop reading there, one directory per run."""
+    logs and every next-hop reading there, one directory per run. ``seed``: the
+    emulator's (each run its own, or the runs repeat one draw of every link's loss and
+    jitter and are not samples of it)."""
     from meshopt.bench.cpuload import lag_window
     from meshopt.lab.agents import BootWatch, agent_installs, agent_logs, agent_stalls, keep_logs
     from meshopt.lab.lab import Lab
@@ -409,11 +416,11 @@ def lab_side(
     from meshopt.lab.mesh import LiveMesh
     from meshopt.lab.tap import TelemetryTap
 
-    lab = Lab.up(sc.topo, name=f"twin{index}", layout="single")
+    lab = Lab.up(sc.topo, name=f"twin{index}", layout="single", seed=seed)
     mesh = LiveMesh(lab)
     tap = TelemetryTap(lab)
     policy = PolicyConfig()
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"lab_seed": seed}
     try:
         timing = lab.emulator.stats()
         logs = agent_logs(lab, mesh.nodes)
@@ -856,7 +863,7 @@ def bench(
             with cpu_load(cpu_load_n) as busy:
                 if busy:
                     progress(f"{len(busy)} busy processes beside the lab: pids {busy}")
-                labs.append(lab_side(sc, tl, k * 10 + r, progress, logs))
+                labs.append(lab_side(sc, tl, k * 10 + r, progress, logs, seed=r + 1))
         kept[topology] = labs
         if record is not None and labs and recorded is None:
             record(kept)

@@ -52,6 +52,13 @@ def _progress(msg: str) -> None:
     is_flag=True,
     help="Anonymous plain MQTT instead of TLS + passwords + ACL (for debugging).",
 )
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="The emulator's random draws (jitter, loss, spikes): the same seed repeats them.",
+)
 @json_option
 def up_cmd(
     topology: str,
@@ -61,6 +68,7 @@ def up_cmd(
     wireguard: str,
     no_broker: bool,
     insecure_broker: bool,
+    seed: int,
     as_json: bool,
 ) -> None:
     """Build a lab from TOPOLOGY and leave it running (remove it with `lab down`)."""
@@ -75,6 +83,7 @@ def up_cmd(
         wireguard=wireguard,
         broker=not no_broker,
         insecure_broker=insecure_broker,
+        seed=seed,
         progress=_progress,
     )
     status = lab.status()
@@ -157,8 +166,9 @@ def _render_status(s: dict[str, Any]) -> None:
         f"lab [bold]{s['name']}[/] (id {s['id']}, {s['phase']}, {health}): "
         f"{len(s['nodes'])} nodes from {s['topology']}"
     )
+    seed = f" (seed {s['seed']})" if s["underlay"] == "emulator" else ""
     c.print(
-        f"underlay: {s['underlay']}   wireguard: {s['wireguard']} ({s['layout']} layout)   "
+        f"underlay: {s['underlay']}{seed}   wireguard: {s['wireguard']} ({s['layout']} layout)   "
         f"overlay: {s['overlay_net']}"
     )
     b = s["broker"]

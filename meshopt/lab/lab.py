@@ -183,12 +183,17 @@ class Lab:
         wireguard: str = "auto",
         broker: bool = True,
         insecure_broker: bool = False,
+        seed: int = 1,
         progress: Progress = _quiet,
     ) -> Lab:
         """Build the lab; on any failure (Ctrl-C included) remove what was built.
 
         The broker is secured (TLS, passwords, ACL) unless ``insecure_broker``.
+        ``seed``: the emulator's random draws (jitter, loss, spikes); the same seed draws
+        the same sequence per link, so repeated runs meant as samples need their own.
         """
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise InputError(f"lab seed must be an integer >= 0, got {seed!r}")
         _preflight()
         topo = load_topology(topology) if isinstance(topology, str) else topology
         source = topology if isinstance(topology, str) else topo.source
@@ -229,6 +234,7 @@ class Lab:
                 wireguard=wg_mode,
                 created=time.time(),
                 broker_mode="none" if not broker else "insecure" if insecure_broker else "secure",
+                seed=seed,
             )
             save(state)
         lab = cls(state, topo, plan)
@@ -332,6 +338,7 @@ class Lab:
             tunnel_ports=sorted({w.port for w in plan.wg_ifs}),
             tunnel_latency_us=latency,
             spike=None if self.topo.spike is None else self.topo.spike.astype(int).tolist(),
+            seed=self.state.seed,
             **self._matrices(),
         )
         spec_path = directory / "emu.json"
@@ -836,6 +843,7 @@ def lab_status(lab: Lab, *, stats: bool = False) -> dict[str, Any]:
         "phase": st.phase,
         "topology": st.source,
         "underlay": st.underlay,
+        "seed": st.seed,
         "wireguard": st.wireguard,
         "layout": st.layout,
         "overlay_net": lab.plan.overlay_net,

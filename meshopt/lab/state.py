@@ -68,6 +68,10 @@ class LabState(msgspec.Struct):
     broker_mode: str = "insecure"  # what labs made before the mode existed ran
     # µs the emulator takes off each tunnel hop, as calibrated at ``up`` (None: not done)
     tunnel_latency_us: float | None = None
+    # The emulator's random draws (jitter, loss, spikes) per link follow this seed: a lab
+    # rebuilt with the same one draws the same sequence, runs meant as independent
+    # samples (a benchmark's repeats) take different ones.
+    seed: int = 1
 
     def pid_of(self, role: str) -> int | None:
         for p in self.procs:

@@ -8,6 +8,7 @@ headers), loss within ±1 point of 5 % over 2,000 packets, a ``lab set`` seen wi
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 import time
@@ -21,7 +22,7 @@ from meshopt.lab.lab import Lab
 from meshopt.lab.netns import list_netns
 from meshopt.lab.plan import WG_MTU
 from meshopt.lab.procs import tagged_pids
-from meshopt.lab.state import LABS_ROOT, all_labs
+from meshopt.lab.state import LABS_ROOT, all_labs, lab_dir
 from meshopt.wireguard.userspace import UserspaceBackend
 
 from .conftest import EXAMPLES, RUN_ID, LabMaker
@@ -207,7 +208,11 @@ def test_node_and_link_down_and_up(fresh: Lab) -> None:
 
 
 def test_per_peer_layout(make_lab: LabMaker) -> None:
-    lab = make_lab(str(EXAMPLES / "triangle.yaml"), layout="per-peer")
+    lab = make_lab(str(EXAMPLES / "triangle.yaml"), layout="per-peer", seed=7)
+    assert lab.status()["seed"] == 7
+    if lab.status()["underlay"] == "emulator":  # the emulator draws from the lab's seed
+        spec = json.loads((lab_dir(lab.plan.lab_id) / "emu.json").read_text())
+        assert spec["seed"] == 7
     ifs = lab.run("a", ["wg", "show", "interfaces"]).stdout.split()
     assert sorted(ifs) == ["wg-b", "wg-c"]
     allowed = lab.run("a", ["wg", "show", "wg-b", "allowed-ips"]).stdout

@@ -71,6 +71,8 @@ CASES: list[tuple[str, ...]] = [
     ("agent", "keygen", "--out", "{dir}"),
     ("agent", "--log-level", "garbage"),
     ("lab", "up", "{missing}"),
+    ("lab", "up", TRIANGLE, "--seed", "-1"),
+    ("lab", "up", TRIANGLE, "--seed", "x"),
     ("lab", "down", "no-such-lab-h1"),
     ("lab", "status", "no-such-lab-h1"),
     ("lab", "set", "no-such-lab-h1", "a-b", "down"),

@@ -121,3 +121,11 @@ def test_ids_names_and_memory() -> None:
     small = make_plan(_topo([None] * 4), "l0000", "x")
     big = make_plan(_topo([None] * 4), "l0000", "x", layout="per-peer")
     assert memory_estimate_mb(big) > memory_estimate_mb(small)
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "1"])
+def test_lab_up_refuses_a_bad_seed_before_building_anything(seed: object) -> None:
+    from meshopt.lab.lab import Lab
+
+    with pytest.raises(InputError, match="seed"):
+        Lab.up(str(EXAMPLES / "triangle.yaml"), seed=seed)  # type: ignore[arg-type]
