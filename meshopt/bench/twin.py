@@ -30,7 +30,8 @@ the estimates' noise clears a margin), it predicts a range. A time or a count is
 when the lab's median is within the tolerance of the seeds' median or of their range
 (seeds 3-8 of 10); a pair's final next hop when at least 2 seeds of 10 ended on it. The
 JSON keeps the median-only verdict beside it (``ok_median``), and the table says which
-verdict came from the range.
+verdict came from the range. A time not reached within its window is "never", later than
+any time: "never" predicted and measured is met. Each lab run has its own emulator seed.
 """
 
 from __future__ import annotations
@@ -718,9 +719,12 @@ def exact_ties(
     return out
 
 
-def _time_ok(sim: float | None, lab: float | None) -> bool | None:
+def _time_ok(sim: float | None, lab: float | None) -> bool:
+    """None is "never within the window", later than any time as in the medians and the
+    seeds' range: a simulator that says never, where the lab never did either, predicted
+    it."""
     if sim is None or lab is None:
-        return None if sim is None and lab is None else False
+        return sim is None and lab is None
     return abs(sim - lab) <= max(0.5, 0.3 * lab)
 
 
@@ -991,6 +995,9 @@ def table(out: dict[str, Any]) -> str:
             return "-"
         return f"{x:.2f}" if isinstance(x, float) else str(x)
 
+    def tm(x: Any) -> str:  # a time: None is "never within the window"
+        return "never" if x is None else f(x)
+
     stalled = False  # the verdict of the row being written
 
     def ok(x: Any) -> str:
@@ -1038,8 +1045,8 @@ def table(out: dict[str, Any]) -> str:
         stalled = bool(c.get("stalled"))
         lines.append(
             f"| {t['topology']}{out_(c)} | first routes | | "
-            f"| {f(ini['sim'])} / {f(ini['lab'])} "
-            f"| {judged(ini)} | {f(ini5['sim'])} / {f(ini5['lab'])} | {judged(ini5)} "
+            f"| {tm(ini['sim'])} / {tm(ini['lab'])} "
+            f"| {judged(ini)} | {tm(ini5['sim'])} / {tm(ini5['lab'])} | {judged(ini5)} "
             "| | | | |"
         )
         for name in ("degradation", "relay_failure", "relay_restore", "jitter"):
@@ -1051,9 +1058,9 @@ def table(out: dict[str, Any]) -> str:
             stalled = bool(r.get("stalled"))
             lines.append(
                 f"| {t['topology']} | {name}{out_(r)} "
-                f"| {f(o['sim'])} / {f(o['lab'])} | {judged(o)} "
-                f"| {f(v['sim'])} / {f(v['lab'])} | {judged(v)} "
-                f"| {f(v5['sim'])} / {f(v5['lab'])} | {judged(v5)} "
+                f"| {tm(o['sim'])} / {tm(o['lab'])} | {judged(o)} "
+                f"| {tm(v['sim'])} / {tm(v['lab'])} | {judged(v)} "
+                f"| {tm(v5['sim'])} / {tm(v5['lab'])} | {judged(v5)} "
                 f"| {f(ch['sim'])} / {f(ch['lab'])} ({f(ch['tolerance'])}) | {judged(ch)} "
                 f"| {f(fr['share'])}{ties(fr)} | {ok(fr['ok'])} |"
             )

@@ -244,7 +244,10 @@ def test_a_time_the_seeds_differ_on_is_met_inside_their_range() -> None:
     seeds = [13.4, 20.0, 23.2, 30.0, 33.6, None, None, None, None, None]
     far = _time_row(seeds, None, 35.1)  # the median is "never": the lab's is inside
     assert far["ok_median"] is False and far["ok"] is True
-    assert _time_row(seeds, None, None)["ok"] is None  # neither reached: nothing to judge
+    # Neither reached it: "never" predicted, and measured.
+    assert _time_row(seeds, None, None)["ok"] is True
+    assert _time_row(seeds, None, None)["ok_median"] is True
+    assert _time_row([1.0] * 10, 1.0, None)["ok"] is False  # the seeds all did
     tight = [1.0, 1.1, 1.2, 1.2, 1.3, 1.3, 1.4, 1.5, 1.5, 9.0]
     assert _time_row(tight, 1.3, 1.6) == {
         "sim": 1.3, "lab": 1.6, "sim_range": (1.2, 1.5), "ok": True, "ok_median": True,
@@ -277,6 +280,22 @@ def test_the_table_says_when_a_goal_was_met_only_in_the_seeds_range() -> None:
     text = table({"topologies": [{"topology": "demo", "compare": rows}]})
     failure = next(x for x in text.splitlines() if "relay_failure" in x)
     assert "yes, in the seeds' 12.00-14.00" in failure
+
+
+def test_a_time_neither_side_reached_reads_never_and_is_met() -> None:
+    sc, sim = demo()
+    lab = {k: v for k, v in sim.items() if k != "runs"}
+    sim = {
+        **sim,
+        "runs": [{**r, "initial_converge_5pct_s": None} for r in sim["runs"]],
+        "initial_converge_5pct_s": None,
+    }
+    lab = {**lab, "initial_converge_5pct_s": None}
+    rows = compare(sc, SHORT, sim, lab)
+    assert rows["initial_converge_5pct_s"]["ok"] is True
+    text = table({"topologies": [{"topology": "demo", "compare": rows}]})
+    first = next(x for x in text.splitlines() if "first routes" in x)
+    assert "| never / never | yes |" in first
 
 
 def test_a_runs_logs_keep_every_report_the_controller_was_told() -> None:
