@@ -22,13 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from meshopt.bench.cpuload import MAX_LOAD
 from meshopt.bench.twin import TOPOLOGIES, Timeline, bench, table
+from meshopt.errors import MeshoptError
 from meshopt.sim.report import json_safe
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sim-only", action="store_true", help="the simulator's side only")
-    ap.add_argument("--topologies", nargs="+", default=list(TOPOLOGIES))
+    ap.add_argument(
+        "--topologies",
+        nargs="+",
+        help="default: bench8, demo and the 16-node mesh; with --lab-from, those it holds",
+    )
     ap.add_argument(
         "--seeds",
         type=int,
@@ -71,24 +76,30 @@ def main() -> int:
             args.lab_runs = max(len(v) for v in recorded.values())
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             ap.error(f"--lab-from {args.lab_from}: not a file --save-lab wrote ({e})")
+    if args.topologies is None:
+        args.topologies = list(recorded) if recorded is not None else list(TOPOLOGIES)
 
     def record(runs: dict[str, list[dict[str, Any]]]) -> None:
         if args.save_lab is not None:
             text = json.dumps(json_safe({"cpu_load": args.cpu_load, "runs": runs}))
             args.save_lab.write_text(text)
 
-    out = bench(
-        tuple(args.topologies),
-        sim_only=args.sim_only,
-        seeds=args.seeds,
-        lab_runs=args.lab_runs,
-        timeline=tl,
-        progress=lambda m: print(m, file=sys.stderr, flush=True),
-        logs=args.logs,
-        cpu_load_n=args.cpu_load,
-        recorded=recorded,
-        record=record,
-    )
+    try:
+        out = bench(
+            tuple(args.topologies),
+            sim_only=args.sim_only,
+            seeds=args.seeds,
+            lab_runs=args.lab_runs,
+            timeline=tl,
+            progress=lambda m: print(m, file=sys.stderr, flush=True),
+            logs=args.logs,
+            cpu_load_n=args.cpu_load,
+            recorded=recorded,
+            record=record,
+        )
+    except MeshoptError as e:
+        print(f"bench_twin: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(json_safe(out), indent=1))
     if not args.sim_only:
         print(table(out), file=sys.stderr)

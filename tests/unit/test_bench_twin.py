@@ -4,6 +4,8 @@ minutes: scripts/bench_twin.py)."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -354,3 +356,22 @@ def test_the_labs_probe_noise_is_fitted_from_every_runs_steady_readings() -> Non
 def test_judging_recorded_lab_runs_needs_runs_of_each_topology() -> None:
     with pytest.raises(InputError, match="no recorded lab runs"):
         bench(("topologies/demo.yaml",), recorded={"topologies/bench8.yaml": [{}]})
+
+
+def test_the_script_says_in_one_line_what_a_recording_lacks(tmp_path: Path) -> None:
+    saved = tmp_path / "lab.json"
+    saved.write_text('{"cpu_load": 0, "runs": {"topologies/bench8.yaml": [{}]}}')
+    script = Path(__file__).parents[2] / "scripts" / "bench_twin.py"
+    argv = [sys.executable, str(script), "--lab-from", str(saved)]
+    bad = subprocess.run(
+        [*argv, "--topologies", "topologies/demo.yaml"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "bench_twin: no recorded lab runs of topologies/demo.yaml"
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("[1, 2")
+    bad = subprocess.run(
+        [sys.executable, str(script), "--lab-from", str(garbage)], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "not a file --save-lab wrote" in bad.stderr
+    assert "Traceback" not in bad.stderr
