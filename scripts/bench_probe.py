@@ -672,11 +672,18 @@ def bench_agent_rtt(lab: Lab) -> dict[str, Any]:
     finally:
         for p in procs.values():
             stop(p)
-    vs_ping = [r["agent_minus_ping_ms"] for r in rows]
+    return agent_rtt_figure(rows)
+
+
+def agent_rtt_figure(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The agents' bias, judged against ping on the same tunnel over the same seconds:
+    the lab's own path reads above its configuration at this rate (ping too, by 0.2-0.4
+    ms on a loaded machine), which is no part of the agent's error."""
+    vs_ping = [r.get("agent_minus_ping_ms") for r in rows]
     return figure(
         worst_abs(vs_ping),
         "|agent median - ping median| <= max(0.2 ms, 2 %) on every tunnel",
-        all(r["pass_vs_ping"] for r in rows),
+        bool(rows) and all(r.get("pass_vs_ping") for r in rows),
         unit="ms (worst |agent - ping|)",
         agent_minus_ping_ms=vs_ping,
         rows=rows,
@@ -928,11 +935,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if "rtt_accuracy" in figures:
                         figures["rtt_accuracy"]["agent_default_rate"] = got["agent_rtt"]["rows"]
                     else:
-                        figures["agent_rtt"] = figure(
-                            None, "agent medians within max(0.2 ms, 2 %)",
-                            all(r.get("pass") for r in got["agent_rtt"]["rows"]),
-                            rows=got["agent_rtt"]["rows"],
-                        )  # fmt: skip
+                        figures["agent_rtt"] = agent_rtt_figure(got["agent_rtt"]["rows"])
                 except Exception as exc:
                     figures["dead_peer"] = failed("(phase failed)", exc)
         finally:

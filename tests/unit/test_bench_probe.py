@@ -194,3 +194,15 @@ def test_pings_start_at_phases_of_their_own() -> None:
 def test_agent_rtt_alone_is_a_phase() -> None:
     args = bp.build_parser().parse_args(["--only", "agent_rtt", "--quick"])
     assert args.only == ["agent_rtt"]
+
+
+def test_the_agents_bias_is_judged_against_ping_on_the_same_tunnel() -> None:
+    # The lab's path read 0.4 ms over its configuration, ping as much as the agent.
+    row = {"error_ms": 0.44, "pass": False, "agent_minus_ping_ms": 0.04, "pass_vs_ping": True}
+    fig = bp.agent_rtt_figure([row, {**row, "agent_minus_ping_ms": -0.14}])
+    assert fig["pass"] is True and fig["value"] == pytest.approx(0.14)
+    biased = {**row, "agent_minus_ping_ms": 0.3, "pass_vs_ping": False}
+    assert bp.agent_rtt_figure([row, biased])["pass"] is False
+    failed = bp.agent_rtt_figure([{"error": "agents never saw each other alive"}])
+    assert failed["pass"] is False and failed["value"] is None
+    assert bp.agent_rtt_figure([])["pass"] is False
