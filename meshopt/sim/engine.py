@@ -32,10 +32,11 @@ Time advances in ticks of ``tick_s`` (0.05 s). What happens, and whose code does
    (:func:`meshopt.agent.telemetry.reports_moved`) go out, all of them in a full
    snapshot every :func:`~meshopt.agent.telemetry.full_interval`; a step its estimator
    confirms, and a peer found dead or alive again, go out at once (at most every
-   ``TELL_GAP_S``), as the agent tells them;
-4. the controller recomputes after its debounce once input arrived and its warm-up rule
-   passes (:func:`meshopt.controller.view.warmed_up`), and while links are told back
-   once none has been for ``revive_quiet_s``: the agents' last telemetry priced
+   ``TELL_GAP_S``), as the agent tells them; a check with nothing to tell sends
+   nothing (or a heartbeat, which moves nothing);
+4. the controller recomputes after its debounce once a report told it something and
+   its warm-up rule passes (:func:`meshopt.controller.view.warmed_up`), and while links
+   are told back once none has been for ``revive_quiet_s``: the agents' last telemetry priced
    by the view's own function (:func:`meshopt.controller.view.link_matrices`), decided
    by :meth:`meshopt.controller.engine.RouteEngine.decide` (routes, the degradation
    release, the anti-flap policy) with the start-up policy
@@ -1162,7 +1163,7 @@ def simulate(
         # The agents' telemetry checks: what moved goes out (a full snapshot when due).
         rows = np.flatnonzero(agents.next_check <= now + 1e-9)
         if rows.size:
-            revived = _report(agents, est, dead, rows, now, tel, tunnel)
+            revived, told = _report(agents, est, dead, rows, now, tel, tunnel)
             if revived.size:
                 revived_at = now if revived_at is None else revived_at
                 told_back.ravel()[revived] = True
@@ -1170,9 +1171,10 @@ def simulate(
                     ctl.revive_max_s if _awaiting(told_back, agents, now) else ctl.revive_quiet_s
                 )
                 revive_until = min(revived_at + ctl.revive_max_s, now + quiet)
-            if first_seen is None:
-                first_seen = now
-            dirty_since = now if dirty_since is None else dirty_since
+            if told:
+                if first_seen is None:
+                    first_seen = now
+                dirty_since = now if dirty_since is None else dirty_since
         phase["probes"] += clock() - t0
 
         # The controller: a recompute after the debounce, once warm.
@@ -1314,12 +1316,15 @@ def _report(
     now: float,
     tel: TelemetrySettings,
     tunnel: BoolArray,
-) -> IntArray:
+) -> tuple[IntArray, bool]:
     """The telemetry of the agents in ``rows`` at ``now``: every peer whose report moved
     (the agent's rule, :func:`~meshopt.agent.telemetry.reports_moved`), every peer in a
     full snapshot when one is due (:func:`~meshopt.agent.telemetry.full_interval`).
-    The links (flat indices) a report (a change report or a full snapshot) told alive
-    that the controller had dead (the controller's ``revive_*`` wait)."""
+    A check with neither sends nothing, or a heartbeat when one is due (the agent's
+    ``Cadence``), which keeps the node fresh and moves nothing (the controller's
+    ``on_telemetry``). Returns the links (flat indices) a report told alive that the
+    controller had dead (the controller's ``revive_*`` wait), and whether any report
+    told a peer (the controller then has something to recompute)."""
     a = agents
     got = _popcount(a.got_bits[rows]).astype(np.float64)
     lost = _popcount(a.lost_bits[rows]).astype(np.float64)
@@ -1335,6 +1340,8 @@ def _report(
     every = np.array([full_interval(int(k), tel) for k in tunnel[rows].sum(axis=1)])
     full = full_due(now, a.last_full[rows], every, tel)[:, None]
     take = (moved | full) & tunnel[rows]
+    told = take.any(axis=1) | full[:, 0]
+    beat = now - a.last_seen[rows] >= tel.full_interval_s - tel.check_interval_s / 2
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
@@ -1348,16 +1355,19 @@ def _report(
     a.pub_samples[ri, ci] = got[take]
     a.pub_sent[ri, ci] = a.sent[rows][take]
     a.pub_loss_n[ri, ci] = np.rint(loss_n[take])
-    a.last_seen[rows] = now
+    # Until session 36 every check counted as a message: the controller recomputed about
+    # every second where the lab's, told nothing between its agents' snapshots, waited
+    # for the next, and a small gain's confirm time ran out up to a snapshot later.
+    a.last_seen[rows[told | beat]] = now
     # The agent's Cadence: on schedule, a snapshot counts from when it was due.
     due = a.last_full[rows] + every
     anchor = np.where(np.abs(now - due) <= tel.check_interval_s, due, now)
     a.last_full[rows] = np.where(full[:, 0], anchor, a.last_full[rows])
     # Fast checks until the row was told warm (the agent's Cadence.warm), for at most
     # WARM_WINDOW_S after its start.
-    told = (a.pub_alive[rows] == 0) | (a.pub_samples[rows] >= WARM_SAMPLES) | ~tunnel[rows]
-    a.next_check[rows] += check_interval(told.all(axis=1), now - a.boot[rows], tel)
-    return revived
+    warm = (a.pub_alive[rows] == 0) | (a.pub_samples[rows] >= WARM_SAMPLES) | ~tunnel[rows]
+    a.next_check[rows] += check_interval(warm.all(axis=1), now - a.boot[rows], tel)
+    return revived, bool(told.any())
 
 
 def _awaiting(told_back: BoolArray, agents: _Agents, now: float) -> bool:
