@@ -259,7 +259,7 @@ class Cadence:
             return Plan(True, list(reports.values()), interval)
         # The heartbeat: due half a check early, so a check landing just short of the
         # interval does not push it a whole check later.
-        if keys or now - self.last_sent >= cfg.full_interval_s - cfg.check_interval_s / 2:
+        if keys or full_due(now, self.last_sent, cfg.full_interval_s, cfg):
             return Plan(False, [reports[k] for k in keys], interval)
         return None
 

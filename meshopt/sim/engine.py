@@ -1341,7 +1341,7 @@ def _report(
     full = full_due(now, a.last_full[rows], every, tel)[:, None]
     take = (moved | full) & tunnel[rows]
     told = take.any(axis=1) | full[:, 0]
-    beat = now - a.last_seen[rows] >= tel.full_interval_s - tel.check_interval_s / 2
+    beat = full_due(now, a.last_seen[rows], tel.full_interval_s, tel)  # the heartbeat
     r = rows[:, None]
     cols = np.broadcast_to(np.arange(a.n)[None, :], take.shape)
     ri, ci = np.broadcast_to(r, take.shape)[take], cols[take]
